@@ -1,0 +1,98 @@
+"""`loom generate` (one prompt, streamed) and `loom chat` (an interactive loop)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "house"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and engine options shared by every command that builds an engine."""
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="local Hugging Face model directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    gen = subparsers.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("prompt")
+    gen.set_defaults(func=_generate)
+
+    chat = subparsers.add_parser("chat", help="chat interactively (the model's chat template)")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=_chat)
+
+
+def _build(args: argparse.Namespace):
+    from loom import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+              max_num_seqs=1, kv_cache_memory=256 << 20)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    return llm, params
+
+
+def stream(llm, prompt: str | dict, params, out=sys.stdout) -> list[int]:
+    """Runs one request, writing its text as it grows; returns the generated ids. Text is
+    written only up to the last complete character, never half of a UTF-8 sequence."""
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    tokenizer, written, ids = engine.tokenizer, 0, []
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != request_id:
+                    continue
+                ids = o.outputs[0].token_ids
+                text = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)) + " "
+                if not text.endswith("\ufffd") and len(text) > written:
+                    out.write(text[written:])
+                    out.flush()
+                    written = len(text)
+    finally:
+        engine.abort_request(request_id)  # no-op when finished; frees blocks on Ctrl-C
+    return ids
+
+
+def _generate(args: argparse.Namespace) -> None:
+    llm, params = _build(args)
+    sys.stdout.write(args.prompt)
+    stream(llm, args.prompt, params)
+    sys.stdout.write("\n")
+
+
+def _chat(args: argparse.Namespace) -> None:
+    llm, params = _build(args)
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        sys.exit(f"{args.model} has no tokenizer.json; chat needs one")
+    messages: list[dict[str, str]] = []
+    print("Type a message (empty line or Ctrl-D to quit).")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = stream(llm, {"prompt_token_ids": tokenizer.encode_chat(messages)}, params)
+        print()
+        messages.append({"role": "assistant", "content": tokenizer.decode(ids)})

@@ -1,0 +1,1 @@
+"""Data shared by training and evaluation: the house model's synthetic retrieval samples."""

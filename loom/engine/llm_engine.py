@@ -1,0 +1,207 @@
+"""The engine loop: add requests, step (schedule -> run -> append tokens -> stop checks), abort.
+
+`step()` is synchronous and returns what changed, so both the offline `LLM` and an async
+server can drive it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from loom.config import EngineConfig
+from loom.engine.block_manager import BlockManager
+from loom.engine.model_runner import ModelRunner
+from loom.engine.scheduler import Scheduler
+from loom.engine.sequence import Sequence, SequenceStatus
+from loom.kv.attention import ATTENTION_BACKENDS, _kernels
+from loom.kv.cache import KVCache, kv_bytes_per_block
+from loom.layers.sampler import Sampler
+from loom.models.config import ModelConfig
+from loom.models.loader import load_model
+from loom.outputs import CompletionOutput, RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int   # prompt tokens looked up
+    prefix_cache_hits: int      # of those, found in the cache
+    kv_slots_allocated: int     # token slots in blocks held by running sequences
+    kv_slots_used: int          # of those, holding a computed token
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def kv_waste(self) -> float:
+        return 1 - self.kv_slots_used / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, attention_backend: str | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        backend = attention_backend or ("cpp" if self.device.type == "cpu" else "torch")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {backend!r}, choose from {ATTENTION_BACKENDS}")
+        if backend == "cpp":
+            _kernels()  # build or load now, so a missing compiler fails here and not mid-run
+
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        sched = config.scheduler
+        model_config = ModelConfig.from_dir(config.model)
+        if sched.max_model_len <= 0:
+            sched.max_model_len = model_config.max_position_embeddings
+        elif sched.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_config.max_position_embeddings}")
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {sched.max_num_batched_tokens} < max_model_len "
+                             f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
+        self.model = load_model(config.model, config.dtype, self.device, sched.max_model_len)
+        self.model.set_attention_backend(backend)
+        self.model_config = self.model.config
+
+        cache_cfg = config.cache
+        bs = cache_cfg.block_size
+        per_block = kv_bytes_per_block(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                       bs, config.dtype)
+        blocks_per_seq = -(-sched.max_model_len // bs)
+        # No point in more blocks than max_num_seqs full-length sequences could ever hold.
+        num_blocks = min(cache_cfg.budget_bytes() // per_block, sched.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_memory: {cache_cfg.budget_bytes()} bytes hold {num_blocks} blocks of {bs} tokens, but one "
+                f"sequence of max_model_len {sched.max_model_len} needs {blocks_per_seq}; raise kv_cache_memory "
+                "or lower max_model_len")
+        self.cache = KVCache(model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
+                             bs, config.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, bs, cache_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device)
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._request_counter = itertools.count()
+        self._requests: dict[str, tuple[str | None, Sequence]] = {}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
+            return None, list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError(f"prompt: {self.config.model} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.scheduler.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                             f"max_model_len {max_len}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: ids {bad_stop} are outside the vocabulary [0, {vocab})")
+
+    def add_request(self, prompt: str | dict, params: SamplingParams, request_id: str | None = None) -> str:
+        """Validates and queues a request; a bad one raises ValueError and changes nothing."""
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._requests[request_id] = (text, seq)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        for seq in self.scheduler.abort(request_id):
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for every request that got a token this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_unfinished():  # would loop forever: a bookkeeping bug, not user input
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        tokens = self.runner.execute(batch)
+        outputs = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.scheduler.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text, _ = self._requests[seq.request_id]
+        finished = seq.is_finished
+        if finished:
+            del self._requests[seq.request_id]
+        decoded = self.tokenizer.decode(seq.output_token_ids) if (finished and self.tokenizer) else ""
+        return RequestOutput(
+            request_id=seq.request_id, prompt=text, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, decoded, list(seq.output_token_ids), seq.finish_reason)],
+            finished=finished, num_cached_tokens=seq.num_cached_prompt_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        bm, bs = self.block_manager, self.block_manager.block_size
+        fill: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(seq.block_table):
+                used = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                fill[block_id] = max(fill.get(block_id, 0), used)
+        return EngineStats(
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.prefix_query_tokens, prefix_cache_hits=bm.prefix_hit_tokens,
+            kv_slots_allocated=len(fill) * bs, kv_slots_used=sum(fill.values()),
+        )

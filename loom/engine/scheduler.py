@@ -1,0 +1,130 @@
+"""Iteration-level scheduler: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences go first, in
+arrival order, each asking for all its uncomputed tokens (1 for a decode, the rest of its prompt
+for a prefill, cut to the budget when chunked prefill is on); then waiting sequences are
+admitted FCFS while budget, `max_num_seqs` and free blocks last. When the pool cannot hold a
+running sequence's next tokens, the latest arrival is preempted (its blocks freed, recomputed
+later from its tokens) and goes back to the front of the queue, so the oldest requests always
+make progress: nothing starves.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from loom.config import SchedulerConfig
+from loom.engine.block_manager import BlockManager
+from loom.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]            # packed order: single-token rows (decodes) first
+    num_new_tokens: list[int]       # tokens each sequence computes this step
+    num_decodes: int                # leading sequences with exactly one new token
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Removes every sequence of the request, freeing its blocks; returns them."""
+        removed = [s for s in self.running if s.request_id == request_id]
+        for seq in removed:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        queued = [s for s in self.waiting if s.request_id == request_id]
+        for seq in queued:
+            self.waiting.remove(seq)
+        return removed + queued
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        bm = self.block_manager
+        chosen: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if chunked:
+                n = min(n, budget)
+            elif n > budget:
+                i += 1
+                continue
+            while not bm.allocate_slots(seq, n):
+                victim = self.running[-1]  # latest arrival; never one already chosen (those are earlier)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chosen.append((seq, n))
+                budget -= n
+                i += 1
+
+        # No admissions in a step that had to preempt: the pool is full.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            hits = bm.match_prefix(seq)
+            n = seq.num_tokens - len(hits) * bm.block_size
+            if chunked:
+                n = min(n, budget)
+            elif n > budget:
+                break
+            if not bm.allocate_slots(seq, n, hits):
+                break
+            self.waiting.popleft()
+            if not seq.was_admitted:  # a preempted sequence re-finding its own blocks is no hit
+                seq.was_admitted = True
+                bm.record_prefix_query(seq.num_tokens, len(hits) * bm.block_size)
+                seq.num_cached_prompt_tokens = len(hits) * bm.block_size
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            chosen.append((seq, n))
+            budget -= n
+
+        chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
+        copies, bm.pending_copies = bm.pending_copies, []
+        return ScheduledBatch(
+            seqs=[s for s, _ in chosen],
+            num_new_tokens=[n for _, n in chosen],
+            num_decodes=sum(1 for _, n in chosen if n == 1),
+            copies=copies,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the sequence's KV; it keeps its tokens and re-queues first."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

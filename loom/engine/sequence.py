@@ -1,0 +1,56 @@
+"""A sequence: one request's tokens, its block table and its progress through the engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache (computed here or found in the prefix cache).
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of those, reused from the prefix cache at admission
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    finish_reason: str | None = None
+    was_admitted: bool = False
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    generator: torch.Generator | None = None  # set when params.seed is given
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

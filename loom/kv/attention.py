@@ -1,0 +1,107 @@
+"""Attention over the paged KV pool, for a packed batch of decodes and prefill chunks.
+
+A step's tokens are packed as [decode tokens | prefill chunk 1 | prefill chunk 2 | ...]. Every
+token's k/v is first written to its slot; then decode rows attend over their sequences' blocks
+(one fused kernel for the whole group) and each prefill chunk attends causally over its cached
+prefix plus itself.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loom.kv.cache import KVCache
+
+ATTENTION_BACKENDS = ("cpp", "torch")
+
+
+@dataclass
+class PrefillSegment:
+    start: int            # first row of this chunk in the packed batch
+    num_tokens: int       # rows of this chunk (queries)
+    context_len: int      # tokens it attends over: cached prefix + this chunk
+    block_ids: torch.Tensor  # int64 block ids covering context_len tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] int64, a slot for every packed token
+    num_decode_tokens: int = 0            # the first rows are single-token decodes
+    decode_block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None   # [num_decode] int32
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+@functools.cache
+def _kernels():
+    """Builds (once per machine, then cached on disk) and loads the C++ decode kernel."""
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+    try:
+        return load(name="loom_paged_attention", sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+    except Exception as e:  # the message names the missing compiler or header
+        raise RuntimeError(
+            f"could not build Loom's C++ attention kernel ({e}); install a C++ compiler and ninja, "
+            "or choose attention_backend='torch'"
+        ) from e
+
+
+def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
+    if backend == "cpp":
+        out, _lse = _kernels().paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+                                                      block_tables, context_lens, scale)
+        return out
+    return _decode_reference(q, cache, layer, block_tables, context_lens, scale)
+
+
+def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain PyTorch: gather each sequence's blocks and run SDPA. Obviously right, not fast."""
+    out = torch.empty_like(q)
+    bs = cache.block_size
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        k, v = cache.gather(layer, block_tables[b, : (n + bs - 1) // bs].long(), n)
+        out[b] = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale,
+                                                enable_gqa=k.shape[0] != q.shape[1]).squeeze(1)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                      seg: PrefillSegment, scale: float) -> torch.Tensor:
+    """One chunk's causal attention. q [n, H, D]; k, v [n, KVH, D] are the chunk's own keys."""
+    n = seg.num_tokens
+    qh = q.transpose(0, 1)  # [H, n, D]
+    gqa = k.shape[1] != q.shape[1]
+    if seg.context_len == n:  # no cached prefix: attend over the fresh k/v directly
+        return F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                              scale=scale, enable_gqa=gqa).transpose(0, 1)
+    kc, vc = cache.gather(layer, seg.block_ids, seg.context_len)
+    # Query i sits at position context_len - n + i and sees every key up to it.
+    offset = seg.context_len - n
+    rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
+    mask = torch.arange(seg.context_len, device=q.device).unsqueeze(0) <= rows
+    return F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                    meta: AttentionMetadata, scale: float, backend: str) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for the packed step -> attention output [T, H, D]."""
+    cache.write(layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = paged_decode_attention(q[:nd], cache, layer, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale, backend)
+    for seg in meta.prefills:
+        rows = slice(seg.start, seg.start + seg.num_tokens)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], cache, layer, seg, scale)
+    return out

@@ -1,0 +1,48 @@
+"""The paged KV pool: preallocated per-layer key and value blocks.
+
+Layouts (per layer), chosen so the decode kernel reads one kv head's slice of a block as one
+contiguous run:
+  keys   [num_blocks, num_kv_heads, head_dim, block_size]   (transposed within a block)
+  values [num_blocks, num_kv_heads, block_size, head_dim]
+A token's slot is block_id * block_size + offset.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype.itemsize
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # torch.empty: pages are touched only as blocks fill; no slot is read before it is written.
+        self.keys = [torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+                       for _ in range(num_layers)]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [tokens, kv_heads, head_dim] at their slots."""
+        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        self.keys[layer][blocks, :, :, offsets] = k
+        self.values[layer][blocks, :, offsets, :] = v
+
+    def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` cached tokens of one sequence as [kv_heads, length, head_dim]."""
+        k = self.keys[layer][block_ids].permute(1, 0, 3, 2).flatten(1, 2)[:, :length]
+        v = self.values[layer][block_ids].transpose(0, 1).flatten(1, 2)[:, :length]
+        return k, v
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.keys[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=self.keys[0].device)
+        for k, v in zip(self.keys, self.values):
+            k[dst] = k[src]
+            v[dst] = v[src]

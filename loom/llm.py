@@ -1,0 +1,101 @@
+"""The offline API, in vLLM's conventions: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from tqdm import tqdm
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from loom.engine.llm_engine import EngineStats, LLMEngine
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import Tokenizer
+
+Prompt = str | dict
+
+
+class InvalidRequestsError(ValueError):
+    """Some prompts of a `generate` call were invalid. The valid ones still ran: `outputs` holds
+    their results in the order given, with None where a prompt was rejected."""
+
+    def __init__(self, errors: dict[int, ValueError], outputs: list[RequestOutput | None]) -> None:
+        self.errors, self.outputs = errors, outputs
+        lines = "; ".join(f"prompt {i}: {e}" for i, e in errors.items())
+        super().__init__(f"{len(errors)} of {len(outputs)} prompts rejected ({lines})")
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "float32", kv_cache_memory: int | float | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
+                 num_threads: int | None = None, attention_backend: str | None = None) -> None:
+        config = EngineConfig(
+            model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      max_model_len=max_model_len or 0),
+        )
+        self.engine = LLMEngine(config, attention_backend)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in the order given.
+
+        A prompt that fails validation does not stop the others: they all run, then an
+        InvalidRequestsError (a ValueError naming the field) reports the rejected ones and
+        carries the completed outputs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+
+        order: dict[str, int] = {}
+        errors: dict[int, ValueError] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                order[self.engine.add_request(prompt, p)] = i
+            except ValueError as e:
+                errors[i] = e
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            self._run(order, results, use_tqdm)
+        except BaseException:
+            for request_id in order:  # leave the engine clean for the next call
+                self.engine.abort_request(request_id)
+            raise
+        if errors:
+            raise InvalidRequestsError(errors, results)
+        return results  # type: ignore[return-value]
+
+    def _run(self, order: dict[str, int], results: list[RequestOutput | None], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, each rendered with the model's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"messages: {self.engine.config.model} has no tokenizer for a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": tokenizer.encode_chat(conv)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

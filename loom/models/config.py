@@ -1,0 +1,96 @@
+"""The model shape Loom needs, read from a Hugging Face `config.json`."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> whether q/k/v projections carry a bias by default
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json in the model directory")
+        with open(path) as f:
+            raw = json.load(f)
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"{source}: field 'architectures' is {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(name: str) -> Any:
+            if name not in raw:
+                raise ValueError(f"{source}: required field {name!r} is missing")
+            return raw[name]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: field 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        if arch == "MistralForCausalLM" and window and raw.get("use_sliding_window", True):
+            # Attention is exact (full) while the context fits the window, so cap the context there.
+            max_positions = min(max_positions, int(window))
+        # transformers 4 writes rope_theta / rope_scaling; transformers 5 nests both in rope_parameters
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("llama3", "default"):
+            raise ValueError(f"{source}: rope type {kind!r} is not supported (default or llama3)")
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=dict(rope) if kind == "llama3" else None,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

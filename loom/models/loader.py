@@ -1,0 +1,94 @@
+"""Builds a Loom model from a local Hugging Face directory (config.json + safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loom.models.config import ModelConfig
+from loom.models.llama import LlamaForCausalLM
+
+# HF tensors that carry no weights Loom needs (RoPE caches some checkpoints still ship).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index}: field 'weight_map' is missing or empty")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: lists shard files that do not exist: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: model directory not found")
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):  # no time spent on random init: every weight comes from the checkpoint
+        model = LlamaForCausalLM(cfg, max_positions or cfg.max_position_embeddings, device)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    filled: dict[str, set[int]] = {name: set() for name in params}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                _load_tensor(model, params, filled, name, f.get_tensor(name), path)
+    missing = [name for name, shards in filled.items() if len(shards) < _num_shards(model, name)]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    model.to(dtype=dtype)
+    return model.eval()
+
+
+def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
+    packed = {p for p, _ in model.packed_params.values()}
+    return next((len(model.shard_sizes(p)) for p in packed if f".{p}." in param_name), 1)
+
+
+def _load_tensor(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], filled: dict[str, set[int]],
+                 name: str, tensor: torch.Tensor, path: Path) -> None:
+    target = name.removeprefix("model.")
+    if target == "lm_head.weight" and model.config.tie_word_embeddings:
+        return  # tied: the embedding is the head
+    for fragment, (packed, shard) in model.packed_params.items():
+        if f".{fragment}." in target:
+            target = target.replace(fragment, packed)
+            if target not in params:
+                break
+            sizes = model.shard_sizes(packed)
+            start = sum(sizes[:shard])
+            dest = params[target].data[start:start + sizes[shard]]
+            _copy(dest, tensor, name, path)
+            filled[target].add(shard)
+            return
+    if target not in params:
+        raise ValueError(f"{path}: tensor {name!r} does not belong to a {model.config.architecture}")
+    _copy(params[target].data, tensor, name, path)
+    filled[target].add(0)
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor, name: str, path: Path) -> None:
+    if dest.shape != src.shape:
+        raise ValueError(f"{path}: tensor {name!r} has shape {tuple(src.shape)}, config.json implies {tuple(dest.shape)}")
+    dest.copy_(src)

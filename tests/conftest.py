@@ -1,0 +1,65 @@
+"""Shared fixtures: small random-weight Hugging Face checkpoints saved with save_pretrained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+# name -> (transformers config class, kwargs); all tiny, fp32
+MODEL_SPECS = {
+    "llama_mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2)),
+    "llama_mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "llama_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama3_scaled": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def build_hf_model(out_dir: Path, name: str, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,
+                   num_layers: int = 2, max_positions: int = 512, std: float = 0.2):
+    """Saves a random model; a larger init std than usual makes the logits peaked, so greedy
+    comparisons test the arithmetic rather than near-ties."""
+    import transformers
+
+    cls_name, kwargs = MODEL_SPECS[name]
+    config = getattr(transformers, cls_name)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, max_position_embeddings=max_positions, initializer_range=std,
+        bos_token_id=1, eos_token_id=2, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 and a q/k/v bias so that every weight matters
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Lazily built random checkpoints, one directory per spec name."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            d = tmp_path_factory.mktemp(name)
+            cache[name] = (d, build_hf_model(d, name))
+        return cache[name]
+
+    return get
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face's own greedy generate, the reference for token identity."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()

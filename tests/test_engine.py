@@ -1,0 +1,189 @@
+"""Engine behaviour: prefix caching, chunked prefill, preemption, stats, bad input, no leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom import LLM, InvalidRequestsError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _workload(seed: int = 0, vocab: int = 256) -> list[dict]:
+    """Prompts with shared prefixes (so the prefix cache has work) and various lengths."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 9, 23, 50)]
+    prompts += [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 31, 70)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _run(model_dir, prompts=None, params=GREEDY, **engine_kw):
+    llm = LLM(str(model_dir), **engine_kw)
+    outs = llm.generate(prompts or _workload(), params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(hf_models):
+    return hf_models("llama_gqa")[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(gqa_dir):
+    """Prefix caching off, no chunking, no preemption: the reference run."""
+    _, tokens = _run(gqa_dir, enable_prefix_caching=False, enable_chunked_prefill=False,
+                     max_num_batched_tokens=512)
+    return tokens
+
+
+def _assert_no_leak(llm):
+    s = llm.stats()
+    assert s.num_running == s.num_waiting == 0
+    assert s.num_free_blocks == s.num_blocks, "blocks leaked"
+
+
+def test_prefix_caching_same_outputs_and_hits(gqa_dir, baseline):
+    llm, tokens = _run(gqa_dir, enable_prefix_caching=True, max_num_seqs=1)  # one at a time: later ones hit
+    assert tokens == baseline
+    assert llm.stats().prefix_cache_hits > 0
+    # a second identical call reuses the whole prompts (all but the last block of each)
+    again = [o.outputs[0].token_ids for o in llm.generate(_workload(), GREEDY, use_tqdm=False)]
+    assert again == baseline
+    assert llm.stats().prefix_cache_hit_rate > 0.4
+    _assert_no_leak(llm)
+
+
+def test_chunked_prefill_same_outputs(gqa_dir, baseline):
+    llm, tokens = _run(gqa_dir, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    assert tokens == baseline
+    _assert_no_leak(llm)
+
+
+def test_preemption_same_outputs(gqa_dir, baseline):
+    # 2 layers x 2 kv heads x 8 dims x 2 (k, v) x 4 bytes = 256 bytes per token slot; 16-token
+    # blocks: 4 KiB each. 12 blocks cannot hold all 7 sequences at once.
+    llm, tokens = _run(gqa_dir, kv_cache_memory=12 * 4096, max_model_len=160, max_num_batched_tokens=64)
+    assert llm.stats().num_blocks == 12
+    assert llm.stats().num_preemptions > 0
+    assert tokens == baseline
+    _assert_no_leak(llm)
+
+
+def test_preemption_without_prefix_caching(gqa_dir, baseline):
+    llm, tokens = _run(gqa_dir, kv_cache_memory=12 * 4096, max_model_len=160, enable_prefix_caching=False,
+                       max_num_batched_tokens=64)
+    assert llm.stats().num_preemptions > 0
+    assert tokens == baseline
+    _assert_no_leak(llm)
+
+
+def test_torch_attention_backend_same_outputs(gqa_dir, baseline):
+    _, tokens = _run(gqa_dir, attention_backend="torch")
+    assert tokens == baseline
+
+
+def test_results_in_order_and_max_num_seqs(gqa_dir, baseline):
+    llm, tokens = _run(gqa_dir, max_num_seqs=2)
+    assert tokens == baseline
+
+
+def test_stop_token_ids_and_eos(gqa_dir, baseline):
+    llm = LLM(str(gqa_dir))
+    first = baseline[0]
+    stop_at = first[5]
+    out = llm.generate(_workload()[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == first[: first.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+    _assert_no_leak(llm)
+
+
+def test_seeded_sampling_reproducible_across_batches(gqa_dir):
+    llm = LLM(str(gqa_dir))
+    prompts = _workload()
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(prompts[2], p, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(prompts, [other, other, p] + [other] * (len(prompts) - 3), use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    different = llm.generate(prompts[2], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_rejected_others_complete(gqa_dir, baseline):
+    llm = LLM(str(gqa_dir), max_model_len=128)
+    good = _workload()
+    bad = {
+        1: {"prompt_token_ids": []},
+        3: {"prompt_token_ids": [5] * 200},        # longer than max_model_len
+        5: {"prompt_token_ids": [5, 99999, 7]},    # unknown token id
+    }
+    prompts = list(good)
+    for i, p in bad.items():
+        prompts.insert(i, p)
+    with pytest.raises(InvalidRequestsError) as err:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    e = err.value
+    assert isinstance(e, ValueError)
+    assert set(e.errors) == set(bad)
+    assert "prompt" in str(e.errors[1]) and "max_model_len" in str(e.errors[3])
+    assert "prompt_token_ids" in str(e.errors[5])
+    completed = [o.outputs[0].token_ids for i, o in enumerate(e.outputs) if i not in bad]
+    assert completed == baseline
+    _assert_no_leak(llm)
+
+
+def test_text_prompt_without_tokenizer_is_clear_error(gqa_dir):
+    llm = LLM(str(gqa_dir))
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", GREEDY, use_tqdm=False)
+
+
+def test_kv_waste_and_stats_midway(gqa_dir):
+    llm = LLM(str(gqa_dir))
+    for i, p in enumerate(_workload()):
+        llm.engine.add_request(p, GREEDY)
+    llm.engine.step()
+    llm.engine.step()
+    s = llm.stats()
+    assert s.num_running == len(_workload())
+    assert s.kv_slots_allocated >= s.kv_slots_used > 0
+    assert s.num_free_blocks < s.num_blocks
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    _assert_no_leak(llm)
+
+
+def test_abort_frees_blocks(gqa_dir):
+    llm = LLM(str(gqa_dir))
+    rid = llm.engine.add_request(_workload()[3], GREEDY)
+    llm.engine.step()
+    assert llm.stats().num_free_blocks < llm.stats().num_blocks
+    llm.engine.abort_request(rid)
+    assert not llm.engine.has_unfinished_requests()
+    _assert_no_leak(llm)
+
+
+def test_config_errors(gqa_dir):
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(str(gqa_dir), kv_cache_memory=4096)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(gqa_dir), block_size=12)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(str(gqa_dir), enable_chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(gqa_dir), dtype="float8")

@@ -1,0 +1,50 @@
+"""Greedy outputs are token-identical to Hugging Face transformers (fp32), batched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from loom import LLM, SamplingParams
+
+PROMPT_LENGTHS = (1, 7, 16, 29, 64)
+MAX_NEW = 24
+
+
+def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("name", ["llama_mha", "llama_gqa", "llama_mqa", "llama_tied", "qwen2_bias", "mistral",
+                                  "llama3_scaled"])
+def test_greedy_matches_transformers(hf_models, name):
+    model_dir, hf = hf_models(name)
+    prompts = _prompts(seed=len(name))
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_NEW), f"{name}, prompt of {len(prompt)}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_long_context_beyond_llama3_original_length(hf_models):
+    """llama3 rope scaling matters past original_max_position_embeddings (64 here)."""
+    model_dir, hf = hf_models("llama3_scaled")
+    prompt = _prompts(seed=3)[-1] * 3  # 192 tokens
+    out = LLM(str(model_dir)).generate({"prompt_token_ids": prompt},
+                                       SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_bfloat16_tracks_fp32(hf_models):
+    """bf16 is not bit-identical, but its logits must stay close to transformers' fp32 ones."""
+    model_dir, hf = hf_models("llama_gqa")
+    prompt = _prompts(seed=5)[3]
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    ref = hf_greedy(hf, prompt, 8)
+    assert out[:2] == ref[:2]
