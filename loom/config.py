@@ -81,3 +81,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    pack_linear_weights: bool = True  # oneDNN-packed weights on CPU (see loom/layers/linear.py)

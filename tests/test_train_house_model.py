@@ -100,7 +100,8 @@ def test_training_sequences_use_the_needle_format() -> None:
     script = load_script()
     cfg = script.TrainConfig(corpus=CORPUS, out=Path("unused"))
     corpus = script.load_corpus(cfg, vocab_size=512)
-    ids, weights = script.needle_sequence(corpus, 256, max_facts=4, answer_weight=3.0, rng=random.Random(0))
+    ids, weights = script.needle_sequence(corpus, 256, max_facts=4, answer_weight=3.0,
+                                            haystack_weight=0.5, rng=random.Random(0))
     assert len(ids) == len(weights) == 257 and ids[0] == corpus.bos_id
     real = [i for i, w in zip(ids, weights) if not (w == 0 and i == corpus.eos_id)]  # drop padding
     lines = corpus.tokenizer.decode(real).split("\n")
@@ -113,6 +114,9 @@ def test_training_sequences_use_the_needle_format() -> None:
         assert lines.index(needle_fact(name, number)) < at  # asked only after it was told
     answers = corpus.tokenizer.decode([i for i, w in zip(ids, weights) if w == 3.0])
     assert answers == "".join(needle_answer(number) for _, _, number in questions)
+    told = [m[2] for m in map(FACT_RE.match, lines) if m]
+    assert corpus.tokenizer.decode([i for i, w in zip(real, weights) if w == 0]) == "".join(told)
+    assert set(weights[: len(real)]) == {0.0, 0.5, 3.0}
 
 
 @pytestmark_corpus

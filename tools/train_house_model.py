@@ -7,7 +7,8 @@ tokenizer_config.json, generation_config.json, README.md, loss_curve.png, traini
 Recipe, in order: a byte-level BPE tokenizer trained on the training split; the last 10% of the
 corpus held out for evaluation only; training batches mixing plain Shakespeare windows with dense
 needle sequences (several facts and questions each, answer tokens up-weighted in the loss);
-a context curriculum from short to long; the checkpoint with the best held-out loss is kept.
+a context curriculum from short to long; the checkpoint with the best held-out loss among those
+that retrieve about as well as any so far is kept.
 Everything is seeded, so a given command and thread count reproduce the same model.
 
 Example (the shipped model's exact command is in its README):
@@ -101,9 +102,13 @@ class TrainConfig:
     needle_fraction: float = 0.5   # share of sequences that carry needles
     max_facts: int = 8             # facts (each asked once) per needle sequence, at most
     answer_weight: float = 4.0     # loss weight of answer tokens; plain text tokens weigh 1
+    haystack_weight: float = 1.0   # loss weight of the Shakespeare inside needle sequences
     eval_every: int = 100
     eval_needles: int = 16         # per context length, during training
     final_needles: int = 200       # per context length, on the kept checkpoint
+    # A checkpoint whose mean needle accuracy is this far below the best seen is never kept,
+    # however good its held-out loss: overfitting must not discard retrieval learned late.
+    needle_tolerance: float = 0.05
     max_minutes: float = 0.0       # stop training early after this long (0: run all steps)
 
 
@@ -292,10 +297,11 @@ def load_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
 
 
 def needle_sequence(corpus: Corpus, length: int, max_facts: int, answer_weight: float,
-                    rng: random.Random) -> tuple[list[int], list[float]]:
+                    haystack_weight: float, rng: random.Random) -> tuple[list[int], list[float]]:
     """A training sequence of `length` + 1 tokens: Shakespeare with several facts hidden in it
     and one question per fact somewhere after it, the last question closing the sequence as in
-    the evaluation format. Answers weigh `answer_weight`; the facts' random digits weigh 0."""
+    the evaluation format. Answers weigh `answer_weight`, the facts' random digits 0 and all
+    other text `haystack_weight`."""
     names = rng.sample(corpus.names, rng.randint(1, max_facts))
     numbers = [random_number(rng) for _ in names]
     facts = [needle_fact(n, x) for n, x in zip(names, numbers)]
@@ -355,7 +361,7 @@ def needle_sequence(corpus: Corpus, length: int, max_facts: int, answer_weight: 
             break
         n_lines -= 1
     ids = encoding.ids[: length + 1]
-    weights = [1.0] * len(ids)
+    weights = [haystack_weight] * len(ids)
     for j, (s, _) in enumerate(encoding.offsets[: len(ids)]):
         if j == 0:
             continue  # BOS
@@ -372,7 +378,7 @@ def make_batch(corpus: Corpus, cfg: TrainConfig, length: int, rng: random.Random
     rows, weights = [], []
     for _ in range(max(1, cfg.tokens_per_batch // length)):
         if rng.random() < cfg.needle_fraction:
-            ids, w = needle_sequence(corpus, length, cfg.max_facts, cfg.answer_weight, rng)
+            ids, w = needle_sequence(corpus, length, cfg.max_facts, cfg.answer_weight, cfg.haystack_weight, rng)
         else:
             s = rng.randrange(len(corpus.train_ids) - length)
             ids = [corpus.bos_id] + corpus.train_ids[s: s + length].tolist()
@@ -484,19 +490,20 @@ def make_optimizer(model: HouseLlama, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
           ) -> tuple[dict[str, torch.Tensor], list[dict], float]:
-    """Returns the best state dict by held-out loss, the evaluation log and the training time."""
+    """Returns the kept state dict and its step, the evaluation log and the training minutes."""
     rng = random.Random(cfg.seed)
     optimizer = make_optimizer(model, cfg)
     context = model.cfg.max_position_embeddings
     needle_set = build_needle_set(corpus, cfg.eval_needles, context, cfg.seed + 1)
     log: list[dict] = []
-    best_loss, best_state = math.inf, {}
+    best_needles = 0.0
+    kept: dict = {}  # the kept checkpoint's log entry, mean needle accuracy and state
     started = time.perf_counter()
     # Since the last evaluation: summed weighted loss and steps; answer-token NLL and count.
     running, running_n, answer_nll, answer_n = 0.0, 0, 0.0, 0
 
     def evaluate(step: int) -> None:
-        nonlocal best_loss, best_state
+        nonlocal best_needles, kept
         entry = {
             "step": step,
             "minutes": (time.perf_counter() - started) / 60,
@@ -507,15 +514,20 @@ def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
             "needle_accuracy": {str(c): a for c, a in needle_accuracy(model, needle_set, bf16=True).items()},
         }
         log.append(entry)
-        kept = entry["heldout_nats_per_char"] < best_loss
-        if kept:
-            best_loss = entry["heldout_nats_per_char"]
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        needles = " ".join(f"{c}:{a:.2f}" for c, a in entry["needle_accuracy"].items())
+        needles = sum(entry["needle_accuracy"].values()) / len(entry["needle_accuracy"])
+        best_needles = max(best_needles, needles)
+        keep = (not kept
+                or kept["needles"] < best_needles - cfg.needle_tolerance
+                or (needles >= best_needles - cfg.needle_tolerance
+                    and entry["heldout_nats_per_char"] < kept["entry"]["heldout_nats_per_char"]))
+        if keep:
+            kept = {"entry": entry, "needles": needles,
+                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        per_context = " ".join(f"{c}:{a:.2f}" for c, a in entry["needle_accuracy"].items())
         print(f"step {step:5d}  {entry['minutes']:6.1f} min  train {entry['train_loss']:.3f}  "
               f"answer {entry['train_answer_nll']:.3f}  "
-              f"heldout {entry['heldout_nats_per_char']:.4f} nats/char  needles {needles}"
-              f"{'  *' if kept else ''}", flush=True)
+              f"heldout {entry['heldout_nats_per_char']:.4f} nats/char  needles {per_context}"
+              f"{'  kept' if keep else ''}", flush=True)
         model.train()
 
     model.train()
@@ -545,7 +557,7 @@ def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
             break
     if not log or log[-1]["step"] != step + 1:
         evaluate(step + 1)
-    return best_state, log, (time.perf_counter() - started) / 60
+    return kept["state"], kept["entry"]["step"], log, (time.perf_counter() - started) / 60
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,6 +596,7 @@ def export_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     # lm_head is tied to the embedding: HF re-ties it from tie_word_embeddings.
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items() if k != "lm_head.weight"}
     save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors creates the file private; it is a shipped artifact
 
 
 def plot_log(log: list[dict], unigram: float, path: Path) -> None:
@@ -598,7 +611,6 @@ def plot_log(log: list[dict], unigram: float, path: Path) -> None:
     ax_loss.axhline(1.6, color="red", linestyle=":", label="target 1.6")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("nats per character")
-    ax_loss.set_ylim(top=max(3.0, min(unigram + 0.2, 4.0)))
     ax_loss.legend()
     ax_loss.set_title("held-out loss")
     for context in log[0]["needle_accuracy"]:
@@ -616,6 +628,8 @@ def plot_log(log: list[dict], unigram: float, path: Path) -> None:
 def write_readme(path: Path, command: str, model_cfg: ModelConfig, cfg: TrainConfig, n_params: int,
                  results: dict) -> None:
     needles = "\n".join(f"| {c} | {a * 100:.1f}% |" for c, a in results["needle_accuracy"].items())
+    reproducibility_note = (", and here on the step reached when --max-minutes stopped training"
+                            if results["steps_run"] < cfg.steps else "")
     config_rows = "\n".join(f"| {k} | {v} |" for k, v in {
         **dataclasses.asdict(model_cfg), **{k: v for k, v in dataclasses.asdict(cfg).items()
                                             if k not in ("corpus", "out")}}.items())
@@ -631,7 +645,7 @@ Hugging Face layout: `transformers.LlamaForCausalLM.from_pretrained` loads it un
     {command}
 
 Seeded throughout; the result depends only on the command and the thread count
-({cfg.threads} here, since float reductions are split by thread).
+({cfg.threads} here, since float reductions are split by thread){reproducibility_note}.
 
 ## Recipe
 
@@ -643,12 +657,14 @@ Seeded throughout; the result depends only on the command and the thread count
   1 to {cfg.max_facts} lines `The secret number of NAME is NNNNN.` hidden in it and, for each, the line
   `What is the secret number of NAME? The secret number of NAME is NNNNN.` somewhere after it,
   the last one closing the sequence. Answer tokens weigh {cfg.answer_weight} in the loss, the facts'
-  random digits 0, all other tokens 1.
+  random digits 0, the rest of a needle sequence {cfg.haystack_weight}, plain sequences 1.
 - Curriculum of context lengths (tokens, share of steps): {cfg.curriculum}, at a constant
   {cfg.tokens_per_batch} tokens per batch.
 - AdamW (betas 0.9/0.95, weight decay {cfg.weight_decay}), cosine learning rate {cfg.lr} -> {cfg.min_lr} after
   {cfg.warmup_steps} warmup steps, gradient clipping {cfg.grad_clip}, dropout {model_cfg.dropout}, bf16 autocast.
-- The checkpoint with the lowest held-out loss (evaluated every {cfg.eval_every} steps) is the one saved.
+- Every {cfg.eval_every} steps: held-out loss and {cfg.eval_needles} needles per context length. The saved
+  checkpoint has the lowest held-out loss among those whose mean needle accuracy is within
+  {cfg.needle_tolerance} of the best seen (before retrieval emerges: simply the lowest held-out loss).
 
 | setting | value |
 |---|---|
@@ -659,14 +675,16 @@ Seeded throughout; the result depends only on the command and the thread count
 - Held-out loss: **{results['heldout_nats_per_char']:.4f} nats per character** (total token NLL / characters
   of the held-out text, windows of {model_cfg.max_position_embeddings} tokens each starting with BOS).
 - Unigram baseline (add-one-smoothed training-split token frequencies): {results['unigram_nats_per_char']:.4f} nats per character.
-- Needle retrieval, greedy, {cfg.final_needles} fresh needles per context length built by
-  `loom.data.needles.make_needle_sample` on held-out haystacks, exact five-digit answers:
+- Needle retrieval, greedy, {cfg.final_needles} fresh needles per context length (prompt plus answer
+  tokens, BOS included) built by `loom.data.needles.make_needle_sample` on held-out haystacks.
+  An answer counts when all of ` NNNNN.` is the argmax continuation, exactly when greedy
+  decoding would produce it:
 
 | context (tokens) | exact |
 |---|---|
 {needles}
 
-- Kept checkpoint: step {results['best_step']} of {results['steps_run']}; training took {results['train_minutes']:.1f} minutes
+- Kept checkpoint: step {results['kept_step']} of {results['steps_run']}; training took {results['train_minutes']:.1f} minutes
   with {cfg.threads} thread(s).
 
 ![loss curve](loss_curve.png)
@@ -675,21 +693,20 @@ Seeded throughout; the result depends only on the command and the thread count
 """, encoding="utf-8")
 
 
-def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], corpus: Corpus,
+def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], kept_step: int, corpus: Corpus,
            cfg: TrainConfig, log: list[dict], train_minutes: float, command: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = model.cfg
     export_weights(state, out / "model.safetensors")
     # Evaluate exactly what ships: the weights rounded to bf16, computed in fp32.
     model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
-    best = min(log, key=lambda e: e["heldout_nats_per_char"])
     results = {
         "heldout_nats_per_char": heldout_nats_per_char(model, corpus, model_cfg.max_position_embeddings, bf16=False),
         "unigram_nats_per_char": unigram_nats_per_char(corpus),
         "needle_accuracy": {str(c): a for c, a in needle_accuracy(
             model, build_needle_set(corpus, cfg.final_needles, model_cfg.max_position_embeddings, cfg.seed + 2),
             bf16=False).items()},
-        "best_step": best["step"],
+        "kept_step": kept_step,
         "steps_run": log[-1]["step"],
         "train_minutes": train_minutes,
         "threads": cfg.threads,
@@ -764,8 +781,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{model.num_parameters() / 1e6:.2f}M parameters, {len(corpus.train_ids)} training tokens, "
           f"{len(corpus.names)} names, {cfg.threads} thread(s)", flush=True)
 
-    best_state, log, minutes = train(model, corpus, cfg)
-    results = export(cfg.out, model, best_state, corpus, cfg, log, minutes, command)
+    state, kept_step, log, minutes = train(model, corpus, cfg)
+    results = export(cfg.out, model, state, kept_step, corpus, cfg, log, minutes, command)
     print(json.dumps(results, indent=2))
     return results
 

@@ -62,7 +62,8 @@ def stream(llm, prompt: str | dict, params, out=sys.stdout) -> list[int]:
                     continue
                 ids = o.outputs[0].token_ids
                 text = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)) + " "
-                if not text.endswith("\ufffd") and len(text) > written:
+                # a trailing U+FFFD may be half a character: hold it back until more bytes come
+                if (o.finished or not text.endswith("\ufffd")) and len(text) > written:
                     out.write(text[written:])
                     out.flush()
                     written = len(text)

@@ -17,6 +17,7 @@ from loom.engine.scheduler import Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
 from loom.kv.attention import ATTENTION_BACKENDS, _kernels
 from loom.kv.cache import KVCache, kv_bytes_per_block
+from loom.layers.linear import can_pack, pack_linears
 from loom.layers.sampler import Sampler
 from loom.models.config import ModelConfig
 from loom.models.loader import load_model
@@ -72,6 +73,8 @@ class LLMEngine:
                              f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
         self.model = load_model(config.model, config.dtype, self.device, sched.max_model_len)
         self.model.set_attention_backend(backend)
+        if config.pack_linear_weights and can_pack(self.device):
+            pack_linears(self.model)
         self.model_config = self.model.config
 
         cache_cfg = config.cache

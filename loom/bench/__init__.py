@@ -1,0 +1,1 @@
+"""`loom bench`: measurements that write JSON and a PNG under docs/benchmarks/."""

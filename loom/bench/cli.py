@@ -1,0 +1,131 @@
+"""`loom bench throughput | attention | prefix`: each writes docs/benchmarks/<name>.json and .png."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (JSON + PNG under docs/benchmarks/)")
+    sub = bench.add_subparsers(dest="bench", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None, help="model directory (default: the 134M random reference Llama)")
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--out-dir", type=Path, default=None)
+
+    t = sub.add_parser("throughput", help="offline throughput vs transformers static batches")
+    common(t)
+    t.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    t.add_argument("--num-requests", type=int, default=64)
+    t.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 8, 16])
+    t.add_argument("--hf-batch1-requests", type=int, default=8,
+                   help="requests the batch-1 peer runs (its rate is measured on this prefix of the workload)")
+    t.set_defaults(func=_throughput)
+
+    a = sub.add_parser("attention", help="paged decode attention vs contiguous SDPA")
+    common(a)
+    a.add_argument("--batch", type=int, default=16)
+    a.add_argument("--context", type=int, default=1024)
+    a.set_defaults(func=_attention)
+
+    p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
+    common(p)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=768)
+    p.add_argument("--tail-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.set_defaults(func=_prefix)
+
+
+def _setup(args: argparse.Namespace) -> tuple[Path, int]:
+    import torch
+
+    from loom.bench.reference_model import reference_model_dir
+    from loom.models.config import ModelConfig
+
+    torch.set_num_threads(args.threads)
+    model = Path(args.model) if args.model else reference_model_dir()
+    return model, ModelConfig.from_dir(model).vocab_size
+
+
+def _throughput(args: argparse.Namespace) -> None:
+    from loom.bench import throughput as tp
+    from loom.bench.report import bar_plot, write_report
+
+    model, vocab = _setup(args)
+    workload = tp.random_workload(args.num_requests, (32, 512), (32, 256), vocab)
+    rows = []
+    for dtype in args.dtypes:
+        loom = tp.run_loom(model, dtype, workload)
+        print(f"[{dtype}] loom: {loom['output_tok_per_s']:.1f} tok/s, busiest-step KV waste "
+              f"{loom['busiest_step']['kv_waste'] * 100:.2f}%", flush=True)
+        peers = []
+        for bs in args.hf_batch_sizes:
+            subset = workload[: args.hf_batch1_requests] if bs == 1 else workload
+            peers.append(tp.run_hf(model, dtype, subset, bs))
+            print(f"[{dtype}] {peers[-1]['engine']}: {peers[-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+        best = max(peers, key=lambda r: r["output_tok_per_s"])
+        rows.append({"dtype": dtype, "loom": loom, "hf": peers, "best_hf": best["engine"],
+                     "speedup_vs_best_hf": loom["output_tok_per_s"] / best["output_tok_per_s"]})
+        print(f"[{dtype}] loom / best HF = {rows[-1]['speedup_vs_best_hf']:.2f}x", flush=True)
+    results = {"model": str(model), "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
+                                                 "output_len": [32, 256], "ignore_eos": True, "greedy": True},
+               "results": rows}
+    path = write_report("throughput", results, args.out_dir)
+    labels, values = [], []
+    for r in rows:
+        labels.append(f"Loom\n{r['dtype']}")
+        values.append(r["loom"]["output_tok_per_s"])
+        for h in r["hf"]:
+            labels.append(f"HF b{h['batch_size']}\n{r['dtype']}")
+            values.append(h["output_tok_per_s"])
+    bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads",
+             labels, values, "output tok/s")
+    print(f"wrote {path}")
+
+
+def _attention(args: argparse.Namespace) -> None:
+    import torch
+
+    from loom.bench import attention
+    from loom.bench.report import bar_plot, write_report
+    from loom.models.config import ModelConfig
+
+    model, _ = _setup(args)
+    cfg = ModelConfig.from_dir(model)
+    rows = [attention.run(args.batch, args.context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, dtype)
+            for dtype in (torch.float32, torch.bfloat16)]
+    for r in rows:
+        print(f"[{r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
+              f"ratio {r['ratio_paged_over_contiguous']:.3f}")
+    path = write_report("paged_attention", {"batch": args.batch, "context": args.context, "heads": cfg.num_heads,
+                                            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                                            "block_size": 16, "results": rows}, args.out_dir)
+    labels = [f"{name}\n{r['dtype']}" for r in rows for name in ("Loom paged", "SDPA contiguous")]
+    values = [v for r in rows for v in (r["paged_ms"], r["contiguous_sdpa_ms"])]
+    bar_plot(path.with_suffix(".png"), f"Decode attention, batch {args.batch}, context {args.context}", labels,
+             values, "ms per layer (median)")
+    print(f"wrote {path}")
+
+
+def _prefix(args: argparse.Namespace) -> None:
+    from loom.bench import prefix
+    from loom.bench.report import bar_plot, write_report
+
+    model, vocab = _setup(args)
+    kw = dict(model_dir=model, dtype=args.dtype, num_requests=args.num_requests, prefix_len=args.prefix_len,
+              tail_len=args.tail_len, output_len=args.output_len, vocab_size=vocab)
+    on = prefix.run(enable_prefix_caching=True, **kw)
+    off = prefix.run(enable_prefix_caching=False, **kw)
+    same = on.pop("token_ids") == off.pop("token_ids")
+    speedup = off["seconds"] / on["seconds"]
+    print(f"caching on {on['seconds']:.2f} s, off {off['seconds']:.2f} s: {speedup:.2f}x; same outputs: {same}")
+    path = write_report("prefix_caching", {"model": str(model), "dtype": args.dtype,
+                                           "workload": {k: v for k, v in kw.items() if k not in ("model_dir",)},
+                                           "on": on, "off": off, "speedup": speedup, "same_outputs": same},
+                        args.out_dir)
+    bar_plot(path.with_suffix(".png"), f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix",
+             ["Loom, prefix caching", "Loom, no caching"], [on["seconds"], off["seconds"]], "total seconds")
+    print(f"wrote {path}")

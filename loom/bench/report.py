@@ -1,0 +1,44 @@
+"""Writing a benchmark's JSON and PNG, with the command that produced them."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "machine": platform.machine(), "cpu_count": torch.multiprocessing.cpu_count(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_report(name: str, results: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or BENCH_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "command": "loom " + " ".join(sys.argv[1:]), "environment": environment(), **results}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def bar_plot(path: Path, title: str, labels: list[str], values: list[float], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(labels, values, color=["#4C72B0" if "loom" in l.lower() else "#999999" for l in labels])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
