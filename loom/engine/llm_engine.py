@@ -15,7 +15,7 @@ from loom.engine.block_manager import BlockManager
 from loom.engine.model_runner import ModelRunner
 from loom.engine.scheduler import Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
-from loom.kv.attention import ATTENTION_BACKENDS, _kernels
+from loom.kv.attention import ATTENTION_BACKENDS, load_kernels
 from loom.kv.cache import KVCache, kv_bytes_per_block
 from loom.layers.linear import can_pack, pack_linears
 from loom.layers.sampler import Sampler
@@ -58,7 +58,7 @@ class LLMEngine:
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {backend!r}, choose from {ATTENTION_BACKENDS}")
         if backend == "cpp":
-            _kernels()  # build or load now, so a missing compiler fails here and not mid-run
+            load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
 
         self.tokenizer = Tokenizer.from_dir(config.model)
         sched = config.scheduler

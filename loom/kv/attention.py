@@ -37,7 +37,7 @@ class AttentionMetadata:
 
 
 @functools.cache
-def _kernels():
+def load_kernels():
     """Builds (once per machine, then cached on disk) and loads the C++ decode kernel."""
     from torch.utils.cpp_extension import load
 
@@ -56,7 +56,7 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_ta
                            context_lens: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
     if backend == "cpp":
-        out, _lse = _kernels().paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+        out, _lse = load_kernels().paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
                                                       block_tables, context_lens, scale)
         return out
     return _decode_reference(q, cache, layer, block_tables, context_lens, scale)

@@ -4,20 +4,26 @@
 // every cached byte is read once per step. Scores go to a small per-task buffer; softmax and
 // the weighted V sum follow. Also returns the log-sum-exp of each row (Helix merges partial
 // attention outputs with it).
+//
+// Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
-#include <limits>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
+// Element loads widened to fp32. The bf16 case is spelled as a shift so the compiler
+// vectorizes it.
 template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * static_cast<float>(x[i]);
+inline float to_float(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float to_float(const c10::BFloat16* p, int64_t i) {
+  return std::bit_cast<float>(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
 }
 
 // Scores of one block's tokens against one query row. Keys are stored transposed within a
@@ -32,15 +38,35 @@ inline void block_scores(const float* q, const T* kblock, int64_t head_dim, floa
       const float qi = q[i + u];
       const T* kcol = kblock + (i + u) * BS;
 #pragma omp simd
-      for (int t = 0; t < BS; ++t) acc[u][t] += qi * static_cast<float>(kcol[t]);
+      for (int t = 0; t < BS; ++t) acc[u][t] += qi * to_float(kcol, t);
     }
   }
   for (; i < head_dim; ++i) {
 #pragma omp simd
-    for (int t = 0; t < BS; ++t) acc[0][t] += q[i] * static_cast<float>(kblock[i * BS + t]);
+    for (int t = 0; t < BS; ++t) acc[0][t] += q[i] * to_float(kblock + i * BS, t);
   }
 #pragma omp simd
   for (int t = 0; t < BS; ++t) out[t] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
+}
+
+// out[0:DC] = sum_t p[t] * V[t, d0:d0+DC] over a sequence's blocks. DC is a compile-time width
+// so the accumulator stays in registers across all tokens.
+template <typename T, int BS, int DC>
+inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table, int64_t ctx, int64_t kvh,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
+  float acc[DC] = {};
+  const int64_t head_block_stride = BS * head_dim;
+  for (int64_t t0 = 0; t0 < ctx; t0 += BS) {
+    const T* vblock = v_cache + (table[t0 / BS] * num_kv_heads + kvh) * head_block_stride + d0;
+    const int64_t n = std::min<int64_t>(BS, ctx - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[t0 + t];
+      const T* row = vblock + t * head_dim;
+#pragma omp simd
+      for (int i = 0; i < DC; ++i) acc[i] += pt * to_float(row, i);
+    }
+  }
+  for (int i = 0; i < DC; ++i) out[i] = acc[i];
 }
 
 template <typename T, int BS>
@@ -51,8 +77,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_block_stride = BS * head_dim;  // one kv head's slice of a block
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores, row_max(group), row_sum(group);
-    float block_buf[BS];
+    std::vector<float> qf(group * head_dim), acc(head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
@@ -60,51 +85,37 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
       scores.resize(group * num_blocks * BS);
       for (int64_t g = 0; g < group; ++g) {
         const T* qrow = q + (b * num_heads + kvh * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = static_cast<float>(qrow[i]) * scale;
+        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(qrow, i) * scale;
       }
-      // Pass 1: scores and row maxima. Built with -ffast-math (vectorized exp), so no
-      // infinities anywhere: the maxima start from the lowest finite float.
-      std::fill(row_max.begin(), row_max.end(), std::numeric_limits<float>::lowest());
+      // Scores of whole blocks (the tail past ctx is written but never read).
       for (int64_t j = 0; j < num_blocks; ++j) {
         const T* kblock = k_cache + (table[j] * num_kv_heads + kvh) * head_block_stride;
-        const int64_t n = std::min<int64_t>(BS, ctx - j * BS);
-        for (int64_t g = 0; g < group; ++g) {
-          block_scores<T, BS>(qf.data() + g * head_dim, kblock, head_dim, block_buf);
-          float* s = scores.data() + g * num_blocks * BS + j * BS;
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = block_buf[t];
-            row_max[g] = std::max(row_max[g], block_buf[t]);
-          }
-        }
+        for (int64_t g = 0; g < group; ++g)
+          block_scores<T, BS>(qf.data() + g * head_dim, kblock, head_dim, scores.data() + g * num_blocks * BS + j * BS);
       }
-      // Pass 2: unnormalized probabilities.
       for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
         float* s = scores.data() + g * num_blocks * BS;
-        const float m = row_max[g];
+        float m = s[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < ctx; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < ctx; ++t) {
           s[t] = std::exp(s[t] - m);
           sum += s[t];
         }
-        row_sum[g] = sum;
-      }
-      // Pass 3: probability-weighted sum of V rows, block by block.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const T* vblock = v_cache + (table[j] * num_kv_heads + kvh) * head_block_stride;
-        const int64_t n = std::min<int64_t>(BS, ctx - j * BS);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * num_blocks * BS + j * BS;
-          for (int64_t t = 0; t < n; ++t) axpy(p[t], vblock + t * head_dim, acc.data() + g * head_dim, head_dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        const float inv = 1.f / row_sum[g];
+        int64_t d0 = 0;
+        for (; d0 + 64 <= head_dim; d0 += 64)
+          weighted_rows<T, BS, 64>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+        for (; d0 + 16 <= head_dim; d0 += 16)
+          weighted_rows<T, BS, 16>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+        for (; d0 < head_dim; ++d0)
+          weighted_rows<T, BS, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+        const float inv = 1.f / sum;
         T* orow = out + (b * num_heads + h) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[g * head_dim + i] * inv);
-        lse[b * num_heads + h] = row_max[g] + std::log(row_sum[g]);
+        for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[i] * inv);
+        lse[b * num_heads + h] = m + std::log(sum);
       }
     }
   });
