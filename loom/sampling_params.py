@@ -3,33 +3,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20        # top-N logprobs a request may ask for (per token)
+MAX_STOP_STRINGS = 32
+MAX_N = 64
+
 
 @dataclass
 class SamplingParams:
+    n: int = 1                    # parallel samples, forked from one prefill (sharing its blocks)
     temperature: float = 1.0      # 0 = greedy (deterministic)
     top_k: int = -1               # -1 (or 0) = all tokens
     top_p: float = 1.0            # nucleus mass, in (0, 1]
     min_p: float = 0.0            # drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0   # > 1 discourages tokens seen in the prompt or output
+    presence_penalty: float = 0.0     # subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
     seed: int | None = None       # per-request generator: the same tokens whatever the batch
     max_tokens: int = 16
+    min_tokens: int = 0           # EOS and stop ids are masked until this many tokens exist
+    stop: list[str] = field(default_factory=list)   # stop strings, matched across token boundaries
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None         # top-N logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None  # the same for every prompt token
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k: must be -1 (disabled) or >= 0, got {self.top_k}")
-        if not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be non-negative ints, got {self.stop_token_ids}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        checks = [
+            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n),
+            (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
+            (self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 0", self.top_k),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty),
+            (self.max_tokens is not None and self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
+            (0 <= self.min_tokens <= (self.max_tokens or 0), "min_tokens", "must be in [0, max_tokens]",
+             self.min_tokens),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop)),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative ints", self.stop_token_ids),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]", self.logprobs),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs),
+            (not (self.n > 1 and self.temperature == 0), "n", "n > 1 needs temperature > 0 (greedy samples "
+             "would all be identical; use LLM.beam_search for several best sequences)", self.n),
+        ]
+        for ok, name, rule, value in checks:
+            if not ok:
+                raise ValueError(f"{name}: {rule}, got {value!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

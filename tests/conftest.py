@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -63,3 +66,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt_ids):].tolist()
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("text_model")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["To be, or not to be, that is the question. Café naïve — ünïcödé ✓."] * 50, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                         "chat_template": TEMPLATE}))
+    build_hf_model(d, "llama_gqa", vocab_size=tok.get_vocab_size())
+    return d
+
+

@@ -1,36 +1,10 @@
 """Text in and out: tokenizer.json, the chat template, `loom generate` streaming."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-from conftest import build_hf_model
 from loom import LLM, SamplingParams
-
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("text_model")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["To be, or not to be, that is the question. Café naïve — ünïcödé ✓."] * 50, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                         "chat_template": TEMPLATE}))
-    build_hf_model(d, "llama_gqa", vocab_size=tok.get_vocab_size())
-    return d
-
 
 def test_text_prompt_round_trip(text_model):
     llm = LLM(str(text_model))

@@ -50,23 +50,22 @@ def _build(args: argparse.Namespace):
 
 
 def stream(llm, prompt: str | dict, params, out=sys.stdout) -> list[int]:
-    """Runs one request, writing its text as it grows; returns the generated ids. Text is
-    written only up to the last complete character, never half of a UTF-8 sequence."""
+    """Runs one request, writing its text as it grows (the engine's detokenizer never emits
+    half a character); returns the generated ids."""
     engine = llm.engine
     request_id = engine.add_request(prompt, params)
-    tokenizer, written, ids = engine.tokenizer, 0, []
+    written, ids = 0, []
     try:
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.request_id != request_id:
                     continue
-                ids = o.outputs[0].token_ids
-                text = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)) + " "
-                # a trailing U+FFFD may be half a character: hold it back until more bytes come
-                if (o.finished or not text.endswith("\ufffd")) and len(text) > written:
-                    out.write(text[written:])
-                    out.flush()
-                    written = len(text)
+                ids, text = o.outputs[0].token_ids, o.outputs[0].text
+                if engine.tokenizer is None:
+                    text = " ".join(map(str, ids)) + " "
+                out.write(text[written:])
+                out.flush()
+                written = len(text)
     finally:
         engine.abort_request(request_id)  # no-op when finished; frees blocks on Ctrl-C
     return ids

@@ -73,8 +73,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks equal to the sequence's leading full blocks. At least one token is
         always left to compute, since the step must produce the logits of the last one."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt token: compute them all
         hits: list[int] = []
         parent = None
         tokens = seq.token_ids()

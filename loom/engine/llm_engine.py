@@ -14,14 +14,15 @@ from loom.config import EngineConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.model_runner import ModelRunner
 from loom.engine.scheduler import Scheduler
-from loom.engine.sequence import Sequence, SequenceStatus
+from loom.detokenizer import IncrementalDetokenizer, find_stop
+from loom.engine.sequence import Request, Sequence, SequenceStatus
 from loom.kv.attention import ATTENTION_BACKENDS, load_kernels
 from loom.kv.cache import KVCache, kv_bytes_per_block
 from loom.layers.linear import can_pack, pack_linears
 from loom.layers.sampler import Sampler
 from loom.models.config import ModelConfig
 from loom.models.loader import load_model
-from loom.outputs import CompletionOutput, RequestOutput
+from loom.outputs import CompletionOutput, Logprob, RequestOutput
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -93,12 +94,13 @@ class LLMEngine:
                              bs, config.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, bs, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device)
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device,
+                                  self.eos_token_ids)
         self._request_counter = itertools.count()
-        self._requests: dict[str, tuple[str | None, Sequence]] = {}
+        self._requests: dict[str, Request] = {}
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -133,15 +135,32 @@ class LLMEngine:
         """Validates and queues a request; a bad one raises ValueError and changes nothing."""
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop: stop strings need a tokenizer; {self.config.model} has none (use stop_token_ids)")
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params)
+        request = Request(request_id, text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
+        seq = self._new_sequence(request, 0)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._requests[request_id] = (text, seq)
+        self._requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
+
+    def _new_sequence(self, request: Request, index: int, parent: Sequence | None = None) -> Sequence:
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, index=index)
+        if parent is not None:  # siblings share the request's generator and arrival
+            seq.generator, seq.arrival = parent.generator, parent.arrival
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.params.skip_special_tokens)
+        if request.params.logprobs is not None:
+            seq.logprobs = []
+        request.seqs.append(seq)
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.scheduler.abort(request_id):
@@ -159,39 +178,76 @@ class LLMEngine:
             if self.scheduler.has_unfinished():  # would loop forever: a bookkeeping bug, not user input
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        tokens = self.runner.execute(batch)
-        outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        # n > 1: the prompt's last step draws n tokens; the first goes to this sequence, the
+        # others to children forked from it (sharing all its blocks).
+        num_samples = {id(s): s.params.n for s in batch.seqs
+                       if s.params.n > 1 and len(self._requests[s.request_id].seqs) == 1}
+        results = self.runner.execute(batch, num_samples)
+        touched: dict[str, Request] = {}
+        for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
-            if token is None:
+            request = self._requests[seq.request_id]
+            if result.prompt_logprobs:
+                for position, logprobs in result.prompt_logprobs:
+                    request.prompt_logprobs[position] = logprobs
+            if result.sample is None:
                 continue
-            seq.output_token_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-                self.scheduler.finish(seq)
-            outputs.append(self._output(seq))
-        return outputs
+            tokens = result.sample.token_ids
+            for k in range(1, len(tokens)):
+                child = self._new_sequence(request, k, parent=seq)
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                self._append_token(child, tokens[k], result.sample.logprobs[k] if result.sample.logprobs else None)
+            self._append_token(seq, tokens[0], result.sample.logprobs[0] if result.sample.logprobs else None)
+            touched[request.request_id] = request
+        return [self._output(r) for r in touched.values()]
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> None:
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        new_chars = 0
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.append(token)
+            seq.text += delta
+            new_chars = len(delta)
+        reason = self._finish_reason(seq, token, new_chars)
+        if reason is not None:
+            if reason != "stop" and seq.detokenizer is not None:
+                seq.text += seq.detokenizer.finish()
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.scheduler.finish(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int, new_chars: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            seq.stop_reason = token if token in p.stop_token_ids else None
             return "stop"
+        if p.stop and new_chars and len(seq.output_token_ids) >= p.min_tokens:
+            hit = find_stop(seq.text, new_chars, p.stop)
+            if hit is not None:
+                at, stop = hit
+                seq.text = seq.text[: at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
+                seq.stop_reason = stop
+                return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.scheduler.max_model_len:
             return "length"
         return None
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text, _ = self._requests[seq.request_id]
-        finished = seq.is_finished
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.finished
         if finished:
-            del self._requests[seq.request_id]
-        decoded = self.tokenizer.decode(seq.output_token_ids) if (finished and self.tokenizer) else ""
+            del self._requests[request.request_id]
+        outputs = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.output_token_ids), finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason, logprobs=s.logprobs,
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None) for s in request.seqs]
         return RequestOutput(
-            request_id=seq.request_id, prompt=text, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, decoded, list(seq.output_token_ids), seq.finish_reason)],
-            finished=finished, num_cached_tokens=seq.num_cached_prompt_tokens,
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs, finished=finished, num_cached_tokens=request.seqs[0].num_cached_prompt_tokens,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def stats(self) -> EngineStats:

@@ -3,9 +3,12 @@
 For each scheduled sequence it packs the tokens it computes this step (ids, positions, the
 slot of each token in the paged pool) and describes its attention: decode rows by padded block
 tables and context lengths, prefill chunks as segments. Rows whose sequence reaches its last
-token this step are sampled.
+token this step are sampled; a request asking for prompt logprobs also gets the logits of its
+prompt rows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,22 +16,41 @@ from loom.engine.scheduler import ScheduledBatch
 from loom.engine.sequence import Sequence
 from loom.kv.attention import AttentionMetadata, PrefillSegment
 from loom.kv.cache import KVCache
-from loom.layers.sampler import Sampler
+from loom.layers.sampler import Sampler, SampleResult, SampleRow, top_logprobs
 from loom.models.llama import LlamaForCausalLM
+from loom.outputs import Logprob
+
+
+@dataclass
+class SeqStepOutput:
+    sample: SampleResult | None = None    # None while the sequence is mid-prompt
+    # (position, {token: Logprob}) for the prompt tokens this step scored
+    prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, sampler: Sampler, device: torch.device,
+                 eos_token_ids: set[int]) -> None:
         self.model, self.cache, self.sampler, self.device = model, cache, sampler, device
         self.block_size = cache.block_size
+        self.eos_token_ids = eos_token_ids
+
+    def sample_row(self, seq: Sequence, num_samples: int) -> SampleRow:
+        p = seq.params
+        banned: list[int] = []
+        if len(seq.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return SampleRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, banned, num_samples)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Runs one step; returns the sampled token of each sequence (None if it is mid-prompt)."""
+    def execute(self, batch: ScheduledBatch, num_samples: dict[int, int] | None = None) -> list[SeqStepOutput]:
+        """Runs one step. `num_samples` maps id(seq) to how many tokens to draw for it (n > 1
+        at the end of a prompt); the default is one."""
         self.cache.copy_blocks(batch.copies)
         input_ids, positions, slots = [], [], []
         sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        sample_seqs: list[int] = []           # batch index of each sampled row
+        logit_rows: list[tuple[int, int]] = []  # (batch index, first row) of prompt-logprob chunks
         prefills: list[PrefillSegment] = []
         bs = self.block_size
         row = 0
@@ -42,10 +64,12 @@ class ModelRunner:
             if i >= batch.num_decodes:
                 block_ids = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=end, block_ids=block_ids))
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                logit_rows.append((i, row))
             row += n
             if end == seq.num_tokens:
                 sample_rows.append(row - 1)
-                sample_seqs.append(seq)
+                sample_seqs.append(i)
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
@@ -60,11 +84,23 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.cache, meta)
-        results: list[int | None] = [None] * len(batch.seqs)
+        outputs = [SeqStepOutput() for _ in batch.seqs]
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            tokens = self.sampler(logits, [s.params for s in sample_seqs], [s.generator for s in sample_seqs])
-            index = {id(s): i for i, s in enumerate(batch.seqs)}
-            for seq, tok in zip(sample_seqs, tokens):
-                results[index[id(seq)]] = tok
-        return results
+            rows = [self.sample_row(batch.seqs[i], (num_samples or {}).get(id(batch.seqs[i]), 1))
+                    for i in sample_seqs]
+            for i, result in zip(sample_seqs, self.sampler(logits, rows)):
+                outputs[i].sample = result
+        for i, first_row in logit_rows:
+            outputs[i].prompt_logprobs = self._prompt_logprobs(batch.seqs[i], batch.num_new_tokens[i], hidden,
+                                                               first_row)
+        return outputs
+
+    def _prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor,
+                         first_row: int) -> list[tuple[int, dict[int, Logprob]]]:
+        """Row p predicts prompt token p + 1: score each prompt token this chunk can see."""
+        start = seq.num_computed_tokens
+        last = min(start + n, seq.num_prompt_tokens - 1)  # rows whose next token is in the prompt
+        logprobs = self.model.compute_logits(hidden[first_row:first_row + last - start]).log_softmax(dim=-1)
+        return [(p + 1, top_logprobs(logprobs[p - start], seq.prompt_token_ids[p + 1], seq.params.prompt_logprobs))
+                for p in range(start, last)]

@@ -41,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.last_copies: list[tuple[int, int]] = []  # the last step's copy-on-write pairs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,6 +59,12 @@ class Scheduler:
         for seq in queued:
             self.waiting.remove(seq)
         return removed + queued
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins the batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        seq.was_admitted = True
+        bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -108,12 +115,13 @@ class Scheduler:
                 bm.record_prefix_query(seq.num_tokens, len(hits) * bm.block_size)
                 seq.num_cached_prompt_tokens = len(hits) * bm.block_size
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            bisect.insort(self.running, seq, key=lambda s: s.order)
             chosen.append((seq, n))
             budget -= n
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
         copies, bm.pending_copies = bm.pending_copies, []
+        self.last_copies = copies
         return ScheduledBatch(
             seqs=[s for s, _ in chosen],
             num_new_tokens=[n for _, n in chosen],

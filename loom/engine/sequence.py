@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loom.detokenizer import IncrementalDetokenizer
+from loom.outputs import Logprob
 from loom.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -34,7 +36,13 @@ class Sequence:
     finish_reason: str | None = None
     was_admitted: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
-    generator: torch.Generator | None = None  # set when params.seed is given
+    index: int = 0  # which of the request's n outputs (or beams) this is
+    generator: torch.Generator | None = None  # the request's, when params.seed is given
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""  # output text (cut at a stop string)
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -54,3 +62,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Scheduling priority: arrival, then output index (children of one request together)."""
+        return (self.arrival, self.index)
+
+
+@dataclass(eq=False)
+class Request:
+    """One call's prompt and its n output sequences (or beams)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n

@@ -1,39 +1,90 @@
 """Token sampling for a batch of rows, each with its own SamplingParams.
 
-Greedy rows take the argmax. The others go through temperature, then top-k, top-p and min-p
-masks (applied on the sorted distribution), then an exponential race, which draws exactly from
-the masked softmax: argmax(p / E) with E ~ Exp(1) i.i.d. A row with a seed draws its noise from
-its own generator, so its tokens do not depend on its batch mates.
+Per row, in vLLM's order: penalties on the raw logits (repetition over prompt and output,
+presence and frequency over the output), EOS/stop ids masked until min_tokens, then greedy
+argmax, or temperature, top-k, top-p and min-p followed by an exponential race, which draws
+exactly from the masked softmax: argmax(p / E) with E ~ Exp(1) i.i.d. A row with a seed draws
+its noise from its own generator, so its tokens do not depend on its batch mates. Logprobs are
+those of the raw model distribution (log_softmax of the logits), as HF and vLLM report them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from loom.outputs import Logprob
 from loom.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int]   # masked this step (min_tokens not reached yet)
+    num_samples: int = 1          # n > 1: draws for each child forked from this row
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per sampled token
 
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits [B, V] float32 -> one token id per row."""
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sampled = self._sample(logits[idx], [params[i] for i in rows], [generators[i] for i in rows])
-            tokens[idx] = sampled
-        return tokens.tolist()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
+        """logits [R, V] float32, one row per SampleRow -> one result per row."""
+        raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        logits = apply_penalties(logits, rows)
+        results = [SampleResult(token_ids=[]) for _ in rows]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            chosen = logits[greedy].argmax(dim=-1).tolist()
+            for i, tok in zip(greedy, chosen):
+                results[i].token_ids = [tok]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            expanded = [i for i in sampled for _ in range(rows[i].num_samples)]
+            probs = filtered_probs(logits[expanded], [rows[i].params for i in expanded])
+            noise = torch.empty_like(probs)
+            for k, i in enumerate(expanded):
+                g = rows[i].generator
+                noise[k].exponential_(generator=g if g is not None else self.generator)
+            for i, tok in zip(expanded, (probs / noise).argmax(dim=-1).tolist()):
+                results[i].token_ids.append(tok)
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                if r.params.logprobs is not None:
+                    results[i].logprobs = [top_logprobs(raw_logprobs[i], tok, r.params.logprobs)
+                                           for tok in results[i].token_ids]
+        return results
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-        probs = filtered_probs(logits, params)
-        noise = torch.empty_like(probs)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g if g is not None else self.generator)
-        return (probs / noise).argmax(dim=-1)
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    if not any(r.params.has_penalties or r.banned_token_ids for r in rows):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.has_penalties:
+            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            if p.repetition_penalty != 1:
+                seen = counts > 0
+                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+                row = logits[i]
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalized, row)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if r.banned_token_ids:
+            logits[i, r.banned_token_ids] = float("-inf")
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -59,3 +110,13 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, Logprob]:
+    """The chosen token's logprob and the n most likely tokens', each with its rank (1 = best)."""
+    values, ids = logprobs.topk(n) if n else (logprobs[:0], logprobs[:0].long())
+    chosen_lp = logprobs[chosen]
+    out = {chosen: Logprob(float(chosen_lp), int((logprobs > chosen_lp).sum()) + 1)}
+    for rank, (tok, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+        out.setdefault(tok, Logprob(lp, rank))
+    return out

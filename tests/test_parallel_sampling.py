@@ -1,0 +1,62 @@
+"""n > 1: samples forked from one prefill share the prompt's blocks, copied only on write."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_hf_model
+from loom import LLM, SamplingParams
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("long")
+    build_hf_model(d, "llama_gqa", max_positions=1024)
+    return d
+
+
+@pytest.mark.parametrize("prompt_len", [512, 500])  # whole blocks; a shared partial last block
+def test_n_samples_share_prompt_blocks(long_model, prompt_len):
+    llm = LLM(str(long_model))
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompt = torch.randint(3, 256, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    n = 8
+    rid = engine.add_request({"prompt_token_ids": prompt},
+                             SamplingParams(n=n, temperature=1.0, max_tokens=40, ignore_eos=True, seed=7))
+    prompt_blocks = -(-len(prompt) // BS)
+    copies: list[tuple[int, int]] = []
+    partial_block = None
+    final = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        copies += engine.scheduler.last_copies
+        request = engine._requests.get(rid)
+        if request is not None and len(request.seqs) == n and partial_block is None:
+            partial_block = request.seqs[0].block_table[prompt_blocks - 1] if not copies else copies[0][0]
+        if request is not None:
+            used = bm.num_blocks - bm.num_free_blocks
+            bound = prompt_blocks + sum(-(-len(s.output_token_ids) // BS) + 1 for s in request.seqs)
+            assert used <= bound, (used, bound)
+        final = next((o for o in outs if o.finished), final)
+    assert len(final.outputs) == n
+    assert all(len(o.token_ids) == 40 for o in final.outputs)
+    assert len({tuple(o.token_ids) for o in final.outputs}) > 1  # really different samples
+    if prompt_len % BS == 0:  # nothing partial is shared: nothing is ever copied
+        assert copies == []
+    else:  # only the shared partial block, once for each sequence but the last to write into it
+        assert len(copies) == n - 1 and {src for src, _ in copies} == {partial_block}
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_n_samples_reproducible_with_seed(hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    params = SamplingParams(n=4, temperature=0.9, max_tokens=10, seed=3, ignore_eos=True)
+    a = LLM(str(model_dir)).generate({"prompt_token_ids": [4, 5, 6, 7]}, params, use_tqdm=False)[0]
+    llm = LLM(str(model_dir))
+    others = [{"prompt_token_ids": [9, 9, 9]}] * 3
+    b = llm.generate(others + [{"prompt_token_ids": [4, 5, 6, 7]}],
+                     [SamplingParams(temperature=1.0, max_tokens=5)] * 3 + [params], use_tqdm=False)[3]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert [o.index for o in a.outputs] == [0, 1, 2, 3]

@@ -1,0 +1,217 @@
+"""Every sampling parameter against an obviously-right reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loom import LLM, SamplingParams
+from loom.detokenizer import IncrementalDetokenizer, find_stop
+from loom.layers.sampler import SampleRow, apply_penalties, filtered_probs
+from loom.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from loom.tokenizer import Tokenizer
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 64, 11, 250, 31]
+
+
+def row(params: SamplingParams, prompt=(), output=(), banned=()) -> SampleRow:
+    return SampleRow(params, None, list(prompt), list(output), list(banned))
+
+
+def test_penalties_match_direct_formula():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 50, generator=g) * 3
+    prompt, output = [1, 2, 3, 3], [3, 7, 7, 7, 9]
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, [row(p, prompt, output), row(SamplingParams())])
+    expected = logits[0].clone()
+    for tok in range(50):
+        x = expected[tok].item()
+        if tok in prompt or tok in output:
+            x = x / 1.3 if x > 0 else x * 1.3
+        count = output.count(tok)
+        x -= 0.25 * count + 0.5 * (count > 0)
+        expected[tok] = x
+    torch.testing.assert_close(out[0], expected)
+    torch.testing.assert_close(out[1], logits[1])  # no penalties: untouched
+
+
+def test_banned_tokens_masked():
+    logits = torch.zeros(1, 10)
+    out = apply_penalties(logits, [row(SamplingParams(), banned=[2, 5])])
+    assert out[0, 2] == out[0, 5] == float("-inf") and torch.isfinite(out[0, [0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.6), dict(min_p=0.2), dict(top_k=8, top_p=0.7, min_p=0.05),
+                                dict(temperature=0.5, top_p=0.9)])
+def test_top_k_top_p_min_p_match_direct_formula(kw):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 40, generator=g) * 2
+    p = SamplingParams(**{"temperature": 1.0, **kw})
+    got = filtered_probs(logits, [p])[0]
+    # direct: walk tokens from most to least likely, keeping those each rule allows
+    probs = (logits[0] / p.temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    k = p.top_k if p.top_k > 0 else 40
+    kept_topk = order[:k]
+    pk = torch.zeros(40)
+    pk[kept_topk] = probs[kept_topk] / probs[kept_topk].sum()
+    kept, mass = [], 0.0
+    for tok in kept_topk:
+        if mass >= p.top_p:
+            break
+        kept.append(tok)
+        mass += pk[tok].item()
+    top = pk[kept_topk[0]].item()
+    kept = [t for i, t in enumerate(kept) if i == 0 or pk[t].item() >= p.min_p * top]
+    expected = torch.zeros(40)
+    expected[kept] = pk[kept] / pk[kept].sum()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_sampling_follows_the_distribution(hf_models):
+    """Empirical frequencies of one step's samples match the filtered distribution."""
+    from loom.layers.sampler import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = SamplingParams(temperature=1.0, top_k=4)
+    sampler = Sampler(seed=0)
+    rows = [SampleRow(p, None, [], [], [], num_samples=20000)]
+    tokens = sampler(logits, rows)[0].token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / len(tokens)
+    torch.testing.assert_close(freq, filtered_probs(logits, [p])[0], atol=0.015, rtol=0)
+
+
+def test_logprobs_match_transformers(hf_models):
+    model_dir, hf = hf_models("llama_gqa")
+    llm = LLM(str(model_dir))
+    out = llm.generate({"prompt_token_ids": PROMPT},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    ids = PROMPT + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for step, lp in enumerate(out.outputs[0].logprobs):
+        pos = len(PROMPT) - 1 + step
+        tok = out.outputs[0].token_ids[step]
+        assert lp[tok].rank == 1  # greedy
+        top = ref[pos].topk(5)
+        assert set(top.indices.tolist()) <= set(lp)
+        for t, v in lp.items():
+            assert abs(v.logprob - ref[pos, t].item()) < 1e-4
+    assert math.isclose(out.outputs[0].cumulative_logprob,
+                        sum(lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+    for pos in range(1, len(PROMPT)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[PROMPT[pos]].logprob - ref[pos - 1, PROMPT[pos]].item()) < 1e-4
+        assert entry[PROMPT[pos]].rank == int((ref[pos - 1] > ref[pos - 1, PROMPT[pos]]).sum()) + 1
+        assert len(entry) >= 3
+
+
+def test_prompt_logprobs_across_chunks_and_with_prefix_cache(hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    whole = LLM(str(model_dir)).generate({"prompt_token_ids": PROMPT * 3}, params, use_tqdm=False)[0]
+    llm = LLM(str(model_dir), max_num_batched_tokens=8)
+    llm.generate({"prompt_token_ids": PROMPT * 3}, SamplingParams(max_tokens=1), use_tqdm=False)  # fill the cache
+    chunked = llm.generate({"prompt_token_ids": PROMPT * 3}, params, use_tqdm=False)[0]
+    assert chunked.num_cached_tokens == 0  # prompt logprobs are computed, never taken from the cache
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids(hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    llm = LLM(str(model_dir))
+    free = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    first = free[0]
+    llm.engine.eos_token_ids.add(first)  # make the greedy first token an EOS
+    stopped = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=8),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=8, min_tokens=3),
+                        use_tqdm=False)[0].outputs[0]
+    assert held.token_ids[0] != first and len(held.token_ids) >= 3
+    assert first not in held.token_ids[:3]
+    llm.engine.eos_token_ids.discard(first)
+    by_id = llm.generate({"prompt_token_ids": PROMPT},
+                         SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[first]),
+                         use_tqdm=False)[0].outputs[0]
+    assert first not in by_id.token_ids[:2]
+
+
+def test_stop_strings_across_token_boundaries(text_model):
+    llm = LLM(str(text_model))
+    tok = llm.get_tokenizer()
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate("To be, or not", base, use_tqdm=False)[0].outputs[0]
+    # a stop string that starts inside one token and ends inside a later one
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    ends = [len("".join(pieces[: i + 1])) for i in range(len(pieces))]
+    k = next(i for i in range(1, len(pieces)) if len(pieces[i]) >= 1 and len(pieces[i - 1]) >= 2)
+    start = ends[k - 1] - 1
+    stop = full.text[start : ends[k] + 1] if k + 1 < len(pieces) else full.text[start : ends[k]]
+    assert len(stop) >= 2
+    cut = full.text.find(stop)
+    for include in (False, True):
+        out = llm.generate("To be, or not", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                             include_stop_str_in_output=include),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == (full.text[: cut + len(stop)] if include else full.text[:cut])
+        assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def test_find_stop_earliest_in_new_tail():
+    assert find_stop("abcdef", 2, ["de", "f"]) == (3, "de")
+    assert find_stop("abcdef", 1, ["ab"]) is None  # an old match is not new
+
+
+def test_incremental_detokenizer_equals_full_decode(text_model):
+    tok = Tokenizer.from_dir(text_model)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        ids = torch.randint(0, tok.vocab_size, (30,), generator=g).tolist()
+        detok = IncrementalDetokenizer(tok, [1, 40, 41], skip_special_tokens=True)
+        pieces = [detok.append(t) for t in ids]
+        assert all(not p.endswith("\ufffd") for p in pieces)
+        text = "".join(pieces) + detok.finish()
+        assert text == tok.decode(ids) == detok.text
+
+
+def test_incremental_detokenizer_holds_back_split_characters(text_model):
+    tok = Tokenizer.from_dir(text_model)
+    ids = tok.encode("✓ Café ünïcödé ✓", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    seen = ""
+    for t in ids:
+        seen += detok.append(t)
+        assert "\ufffd" not in seen
+        assert "✓ Café ünïcödé ✓".startswith(seen)
+    assert seen == "✓ Café ünïcödé ✓"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n"),
+    (dict(n=4, temperature=0), "n"),
+    (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"),
+])
+def test_bad_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_stop_strings_need_a_tokenizer(hf_models):
+    llm = LLM(str(hf_models("llama_gqa")[0]))
+    with pytest.raises(ValueError, match="stop"):
+        llm.engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(stop=["x"]))
