@@ -8,6 +8,8 @@ equals decoding all the ids at once.
 """
 from __future__ import annotations
 
+import copy
+
 from loom.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
@@ -23,6 +25,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0              # window start: context kept for consistent rendering
         self.read_offset = len(context)     # ids before this are already emitted as text
         self.text = ""
+
+    def fork(self) -> "IncrementalDetokenizer":
+        twin = copy.copy(self)
+        twin.ids = list(self.ids)
+        return twin
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -90,6 +90,25 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update(1)
 
+    def beam_search(self, prompts: Prompt | SequenceABC[Prompt], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, ignore_eos: bool = False,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search, step for step as Hugging Face `generate(num_beams=beam_width)`; each
+        result's `outputs` are the best `beam_width` hypotheses, best first. Beams share KV
+        blocks (fork, copy-on-write)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        order = {self.engine.add_beam_request(p, beam_width, max_tokens, length_penalty, ignore_eos): i
+                 for i, p in enumerate(prompts)}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            self._run(order, results, use_tqdm)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        return results  # type: ignore[return-value]
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation or a list of them, each rendered with the model's chat template."""

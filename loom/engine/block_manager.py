@@ -153,6 +153,9 @@ class BlockManager:
                     self.evictable[block_id] = None
                 else:
                     self.free_ids.append(block_id)
+        if self.pending_copies:  # a copy into a block this sequence no longer holds is moot
+            held = set(seq.block_table)
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in held]
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

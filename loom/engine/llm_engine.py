@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.config import EngineConfig
+from loom.engine.beam_search import BeamState
 from loom.engine.block_manager import BlockManager
 from loom.engine.model_runner import ModelRunner
 from loom.engine.scheduler import Scheduler
@@ -143,22 +144,49 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
-        seq = self._new_sequence(request, 0)
+        seq = self._new_sequence(request)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
 
-    def _new_sequence(self, request: Request, index: int, parent: Sequence | None = None) -> Sequence:
-        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, index=index)
-        if parent is not None:  # siblings share the request's generator and arrival
-            seq.generator, seq.arrival = parent.generator, parent.arrival
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                     request.params.skip_special_tokens)
+    def add_beam_request(self, prompt: str | dict, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+                         ignore_eos: bool = False, request_id: str | None = None) -> str:
+        """Queues a beam search (see loom/engine/beam_search.py); its output lists the best
+        `beam_width` hypotheses, best first."""
+        if beam_width < 1:
+            raise ValueError(f"beam_width: must be >= 1, got {beam_width}")
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        _, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        if 2 * beam_width > self.model_config.vocab_size:
+            raise ValueError(f"beam_width: {beam_width} needs 2 x {beam_width} candidate tokens, more than the vocabulary")
+        request_id = self.add_request(prompt, params, request_id)
+        request = self._requests[request_id]
+        eos = set() if ignore_eos else set(self.eos_token_ids)
+        request.beam = BeamState(beam_width, max_tokens, length_penalty, eos)
+        request.seqs[0].beam_width = beam_width
+        return request_id
+
+    def _new_sequence(self, request: Request, parent: Sequence | None = None) -> Sequence:
+        """A new sequence of the request; with a parent, a copy of its tokens and text so far
+        (the caller shares the parent's blocks with it through the block manager's fork)."""
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, index=request.num_created)
+        request.num_created += 1
         if request.params.logprobs is not None:
             seq.logprobs = []
+        if parent is not None:  # siblings share the request's generator and arrival
+            seq.generator, seq.arrival, seq.beam_width = parent.generator, parent.arrival, parent.beam_width
+            seq.output_token_ids = list(parent.output_token_ids)
+            seq.cumulative_logprob, seq.text = parent.cumulative_logprob, parent.text
+            if parent.logprobs is not None:
+                seq.logprobs = list(parent.logprobs)
+            if parent.detokenizer is not None:
+                seq.detokenizer = parent.detokenizer.fork()
+        elif self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.params.skip_special_tokens)
         request.seqs.append(seq)
         return seq
 
@@ -184,6 +212,7 @@ class LLMEngine:
                        if s.params.n > 1 and len(self._requests[s.request_id].seqs) == 1}
         results = self.runner.execute(batch, num_samples)
         touched: dict[str, Request] = {}
+        beam_requests: dict[str, Request] = {}
         for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
@@ -193,15 +222,51 @@ class LLMEngine:
                     request.prompt_logprobs[position] = logprobs
             if result.sample is None:
                 continue
+            if seq.is_beam:  # beams advance together once every live beam has proposed
+                seq.proposals = result.sample.proposals
+                beam_requests[request.request_id] = request
+                continue
             tokens = result.sample.token_ids
             for k in range(1, len(tokens)):
-                child = self._new_sequence(request, k, parent=seq)
+                child = self._new_sequence(request, parent=seq)
                 self.block_manager.fork(seq, child)
                 self.scheduler.add_running(child)
                 self._append_token(child, tokens[k], result.sample.logprobs[k] if result.sample.logprobs else None)
             self._append_token(seq, tokens[0], result.sample.logprobs[0] if result.sample.logprobs else None)
             touched[request.request_id] = request
+        for request in beam_requests.values():
+            if all(s.proposals is not None for s in request.seqs):
+                self._advance_beams(request)
+                if request.finished:
+                    touched[request.request_id] = request
         return [self._output(r) for r in touched.values()]
+
+    def _advance_beams(self, request: Request) -> None:
+        live = list(request.seqs)  # forks below append to request.seqs
+        chosen = request.beam.step([s.cumulative_logprob for s in live], [s.output_token_ids for s in live],
+                                   [s.proposals for s in live])
+        for s in live:
+            s.proposals = None
+        next_beams: list[Sequence] = []
+        used: set[int] = set()
+        for c in chosen if not request.beam.done else []:
+            parent = live[c.beam]
+            if c.beam in used:  # a second continuation of one beam: fork it (blocks shared, CoW)
+                beam = self._new_sequence(request, parent=parent)
+                self.block_manager.fork(parent, beam)
+                self.scheduler.add_running(beam)
+            else:
+                beam = parent
+                used.add(c.beam)
+            next_beams.append(beam)
+        for b, s in enumerate(live):
+            if b not in used:  # pruned (or the search is over)
+                s.status = SequenceStatus.FINISHED
+                self.scheduler.finish(s)
+        for beam, c in zip(next_beams, chosen):
+            beam.output_token_ids.append(c.token)
+            beam.cumulative_logprob += c.logprob
+        request.seqs = next_beams
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> None:
         seq.output_token_ids.append(token)
@@ -240,6 +305,12 @@ class LLMEngine:
         finished = request.finished
         if finished:
             del self._requests[request.request_id]
+        if request.beam is not None:
+            outputs = [CompletionOutput(
+                index=i, text=self.tokenizer.decode(h.token_ids) if self.tokenizer else "", token_ids=h.token_ids,
+                finish_reason="stop" if h.token_ids[-1] in request.beam.eos_token_ids else "length",
+                cumulative_logprob=h.cumulative_logprob) for i, h in enumerate(request.beam.finished)]
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
         outputs = [CompletionOutput(
             index=s.index, text=s.text, token_ids=list(s.output_token_ids), finish_reason=s.finish_reason,
             stop_reason=s.stop_reason, logprobs=s.logprobs,

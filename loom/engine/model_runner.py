@@ -40,7 +40,8 @@ class ModelRunner:
         banned: list[int] = []
         if len(seq.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SampleRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, banned, num_samples)
+        proposals = 2 * seq.beam_width if seq.is_beam else 0
+        return SampleRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, banned, num_samples, proposals)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_samples: dict[int, int] | None = None) -> list[SeqStepOutput]:

@@ -80,22 +80,28 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = seq.num_tokens - seq.num_computed_tokens  # 0: a beam waiting for its siblings
             if chunked:
                 n = min(n, budget)
-            elif n > budget:
+            if n == 0 or n > budget:
                 i += 1
                 continue
+            restart = False
             while not bm.allocate_slots(seq, n):
-                victim = self.running[-1]  # latest arrival; never one already chosen (those are earlier)
-                self._preempt(victim)
+                # The latest arrival goes, with its whole beam group (beams move in lock step).
+                victims = self._group(self.running[-1])
+                for victim in victims:
+                    self._preempt(victim)
                 preempted = True
-                if victim is seq:
+                if any(v is seq or any(v is c for c, _ in chosen) for v in victims):
+                    restart = True  # allocations already made stay valid: allocate_slots is idempotent
                     break
-            if seq.status is SequenceStatus.RUNNING:
-                chosen.append((seq, n))
-                budget -= n
-                i += 1
+            if restart:
+                chosen, budget, i = [], self.config.max_num_batched_tokens, 0
+                continue
+            chosen.append((seq, n))
+            budget -= n
+            i += 1
 
         # No admissions in a step that had to preempt: the pool is full.
         while (self.waiting and budget > 0 and not preempted
@@ -128,6 +134,12 @@ class Scheduler:
             num_decodes=sum(1 for _, n in chosen if n == 1),
             copies=copies,
         )
+
+    def _group(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that must be preempted together with `seq`: its running beam siblings."""
+        if not seq.is_beam:
+            return [seq]
+        return [s for s in self.running if s.request_id == seq.request_id]
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV; it keeps its tokens and re-queues first."""

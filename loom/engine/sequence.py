@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.detokenizer import IncrementalDetokenizer
+from loom.engine.beam_search import BeamState
 from loom.outputs import Logprob
 from loom.sampling_params import SamplingParams
 
@@ -43,6 +44,8 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    beam_width: int = 0  # > 0: one of a beam search's live beams (preempted with its siblings)
+    proposals: list[tuple[int, float]] | None = None  # beam: this step's top next tokens
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_beam(self) -> bool:
+        return self.beam_width > 0
+
+    @property
     def order(self) -> tuple[int, int]:
         """Scheduling priority: arrival, then output index (children of one request together)."""
         return (self.arrival, self.index)
@@ -78,7 +85,11 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    beam: BeamState | None = None  # set for a beam search request; seqs are then its live beams
+    num_created: int = 0  # sequences made so far (each gets the next index)
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n

@@ -25,12 +25,14 @@ class SampleRow:
     output_token_ids: list[int]
     banned_token_ids: list[int]   # masked this step (min_tokens not reached yet)
     num_samples: int = 1          # n > 1: draws for each child forked from this row
+    num_proposals: int = 0        # beam search: the row's top tokens by logprob instead of a draw
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per sampled token
+    proposals: list[tuple[int, float]] | None = None  # beam search: (token, logprob), best first
 
 
 class Sampler:
@@ -39,10 +41,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
         """logits [R, V] float32, one row per SampleRow -> one result per row."""
-        raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        needs_logprobs = any(r.params.logprobs is not None or r.num_proposals for r in rows)
+        raw_logprobs = logits.log_softmax(dim=-1) if needs_logprobs else None
         logits = apply_penalties(logits, rows)
         results = [SampleResult(token_ids=[]) for _ in rows]
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        for i, r in enumerate(rows):
+            if r.num_proposals:
+                values, ids = raw_logprobs[i].topk(r.num_proposals)
+                results[i].proposals = list(zip(ids.tolist(), values.tolist()))
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy and not r.num_proposals]
         if greedy:
             chosen = logits[greedy].argmax(dim=-1).tolist()
             for i, tok in zip(greedy, chosen):
