@@ -42,6 +42,7 @@ class CacheConfig:
     # bytes (int > 1), or a fraction of the memory available now (float in (0, 1]); None = default
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
+    swap_space: int = 1 << 30  # bytes of second-tier KV storage, allocated in swap preemption mode
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
@@ -64,8 +65,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by the engine)
+    preemption_mode: str = "recompute"  # or "swap": blocks move to the second tier (swap_space)
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode: 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

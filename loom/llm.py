@@ -28,15 +28,16 @@ class LLM:
     def __init__(self, model: str, dtype: str = "float32", kv_cache_memory: int | float | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 max_model_len: int | None = None, seed: int = 0, device: str = "cpu",
+                 max_model_len: int | None = None, preemption_mode: str = "recompute",
+                 swap_space: int = 1 << 30, seed: int = 0, device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str | None = None) -> None:
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      max_model_len=max_model_len or 0),
+                                      max_model_len=max_model_len or 0, preemption_mode=preemption_mode),
         )
         self.engine = LLMEngine(config, attention_backend)
 

@@ -187,3 +187,46 @@ def test_config_errors(gqa_dir):
         LLM(str(gqa_dir), enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(gqa_dir), dtype="float8")
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_swap_preemption_same_outputs(gqa_dir, baseline, prefix_caching):
+    llm, tokens = _run(gqa_dir, kv_cache_memory=12 * 4096, max_model_len=160, max_num_batched_tokens=64,
+                       preemption_mode="swap", swap_space=64 * 4096, enable_prefix_caching=prefix_caching)
+    s = llm.stats()
+    assert s.num_swap_outs > 0 and s.num_swapped == 0
+    assert tokens == baseline
+    _assert_no_leak(llm)
+    assert len(llm.engine.block_manager.free_swap_ids) == 64
+
+
+def test_swap_space_too_small_falls_back_to_recompute(gqa_dir, baseline):
+    llm, tokens = _run(gqa_dir, kv_cache_memory=12 * 4096, max_model_len=160, max_num_batched_tokens=64,
+                       preemption_mode="swap", swap_space=2 * 4096)
+    assert llm.stats().num_preemptions > llm.stats().num_swap_outs
+    assert tokens == baseline
+    _assert_no_leak(llm)
+
+
+def test_swapped_blocks_come_back_intact(gqa_dir):
+    from loom.engine.sequence import Sequence
+    from loom.kv.cache import KVCache
+    from loom.kv.swap import SwapSpace
+
+    cache = KVCache(2, 8, 2, 4, 16, torch.float32, "cpu")
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape))
+    before = [t[[1, 5]].clone() for t in cache.keys + cache.values]
+    swap = SwapSpace(cache, 4)
+    swap.swap_out([(1, 2), (5, 0)])
+    for t in cache.keys + cache.values:
+        t.zero_()
+    swap.swap_in([(2, 6), (0, 3)])
+    after = [t[[6, 3]] for t in cache.keys + cache.values]
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+
+
+def test_bad_preemption_mode(gqa_dir):
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM(str(gqa_dir), preemption_mode="sometimes")

@@ -60,3 +60,27 @@ def test_n_samples_reproducible_with_seed(hf_models):
                      [SamplingParams(temperature=1.0, max_tokens=5)] * 3 + [params], use_tqdm=False)[3]
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert [o.index for o in a.outputs] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_n_samples_same_under_preemption(hf_models, mode):
+    model_dir, _ = hf_models("llama_gqa")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=30, seed=11, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 45 + i))} for i in range(4)]
+    free = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    small = LLM(str(model_dir), kv_cache_memory=14 * 4096, max_model_len=128, max_num_batched_tokens=64,
+                preemption_mode=mode, swap_space=64 * 4096)
+    tight = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0
+    assert [[o.token_ids for o in r.outputs] for r in tight] == [[o.token_ids for o in r.outputs] for r in free]
+    assert small.stats().num_free_blocks == small.stats().num_blocks
+
+
+def test_first_sample_equals_single_sample(hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    llm = LLM(str(model_dir))
+    one = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=1.0, max_tokens=8, seed=5),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    many = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5),
+                        use_tqdm=False)[0].outputs
+    assert many[0].token_ids == one and many[1].token_ids != one

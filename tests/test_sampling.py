@@ -16,7 +16,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 64, 11, 250, 31]
 
 
 def row(params: SamplingParams, prompt=(), output=(), banned=()) -> SampleRow:
-    return SampleRow(params, None, list(prompt), list(output), list(banned))
+    return SampleRow(params, [None], list(prompt), list(output), list(banned))
 
 
 def test_penalties_match_direct_formula():
@@ -77,7 +77,7 @@ def test_sampling_follows_the_distribution(hf_models):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = SamplingParams(temperature=1.0, top_k=4)
     sampler = Sampler(seed=0)
-    rows = [SampleRow(p, None, [], [], [], num_samples=20000)]
+    rows = [SampleRow(p, [None] * 20000, [], [], [])]
     tokens = sampler(logits, rows)[0].token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / len(tokens)
     torch.testing.assert_close(freq, filtered_probs(logits, [p])[0], atol=0.015, rtol=0)

@@ -32,7 +32,8 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); raise kv_cache_memory")
         self.block_size = block_size
@@ -42,6 +43,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()       # unreferenced, hashed; LRU first
         self.cached: dict[bytes, int] = {}                           # hash -> block id
         self.pending_copies: list[tuple[int, int]] = []              # (src, dst) copy-on-write
+        self.free_swap_ids: deque[int] = deque(range(num_swap_blocks))  # slots of the second tier
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -159,6 +161,35 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    # ---- swapping to the second tier ------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_swap_ids)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Moves the sequence's blocks to swap slots (its computed tokens stay valid); returns
+        the (pool block, swap slot) copies to make before the pool blocks are reused."""
+        # A block still waiting for its copy-on-write copy holds nothing yet: save the source.
+        pending = {dst: src for src, dst in self.pending_copies}
+        pairs = [(pending.get(b, b), self.free_swap_ids.popleft()) for b in seq.block_table]
+        computed = seq.num_computed_tokens
+        self.free(seq)
+        seq.num_computed_tokens = computed
+        seq.swap_table = [slot for _, slot in pairs]
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(total, len(seq.swap_table)) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Brings the blocks back into fresh pool blocks; returns the (swap slot, pool block)
+        copies to make before the step runs."""
+        pairs = [(slot, self._take_free()) for slot in seq.swap_table]
+        self.free_swap_ids.extend(seq.swap_table)
+        seq.swap_table = []
+        seq.block_table = [block for _, block in pairs]
+        return pairs
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

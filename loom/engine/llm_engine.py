@@ -19,6 +19,7 @@ from loom.detokenizer import IncrementalDetokenizer, find_stop
 from loom.engine.sequence import Request, Sequence, SequenceStatus
 from loom.kv.attention import ATTENTION_BACKENDS, load_kernels
 from loom.kv.cache import KVCache, kv_bytes_per_block
+from loom.kv.swap import SwapSpace
 from loom.layers.linear import can_pack, pack_linears
 from loom.layers.sampler import Sampler
 from loom.models.config import ModelConfig
@@ -36,6 +37,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_swapped: int            # sequences whose blocks are in the second tier now
+    num_swap_outs: int          # preemptions that swapped (the rest recomputed)
     prefix_cache_queries: int   # prompt tokens looked up
     prefix_cache_hits: int      # of those, found in the cache
     kv_slots_allocated: int     # token slots in blocks held by running sequences
@@ -93,13 +96,17 @@ class LLMEngine:
                 "or lower max_model_len")
         self.cache = KVCache(model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
                              bs, config.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, bs, cache_cfg.enable_prefix_caching)
+        num_swap_blocks = cache_cfg.swap_space // per_block if sched.preemption_mode == "swap" else 0
+        if sched.preemption_mode == "swap" and num_swap_blocks < 1:
+            raise ValueError(f"swap_space: {cache_cfg.swap_space} bytes hold no block of {per_block} bytes")
+        self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
+        self.block_manager = BlockManager(num_blocks, bs, cache_cfg.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device,
-                                  self.eos_token_ids)
+                                  self.eos_token_ids, self.swap_space)
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}
 
@@ -145,8 +152,12 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         seq = self._new_sequence(request)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        # One generator per output sequence, so each sample's tokens depend only on the seed
+        # and its index, never on batch mates or preemptions; sample 0 equals the n = 1 sample.
+        seq.sibling_generators = [None if params.seed is None else
+                                  torch.Generator(device=self.device).manual_seed(params.seed + 7919 * k)
+                                  for k in range(params.n)]
+        seq.generator = seq.sibling_generators[0]
         self._requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
@@ -176,8 +187,10 @@ class LLMEngine:
         request.num_created += 1
         if request.params.logprobs is not None:
             seq.logprobs = []
-        if parent is not None:  # siblings share the request's generator and arrival
-            seq.generator, seq.arrival, seq.beam_width = parent.generator, parent.arrival, parent.beam_width
+        if parent is not None:  # siblings share the request's arrival (they are scheduled together)
+            seq.arrival, seq.beam_width = parent.arrival, parent.beam_width
+            if seq.index < len(parent.sibling_generators):  # an n > 1 sample, not a beam
+                seq.generator = parent.sibling_generators[seq.index]
             seq.output_token_ids = list(parent.output_token_ids)
             seq.cumulative_logprob, seq.text = parent.cumulative_logprob, parent.text
             if parent.logprobs is not None:
@@ -332,6 +345,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
+            num_swapped=len(self.scheduler.swapped), num_swap_outs=self.scheduler.num_swap_outs,
             prefix_cache_queries=bm.prefix_query_tokens, prefix_cache_hits=bm.prefix_hit_tokens,
             kv_slots_allocated=len(fill) * bs, kv_slots_used=sum(fill.values()),
         )

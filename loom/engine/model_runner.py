@@ -16,6 +16,7 @@ from loom.engine.scheduler import ScheduledBatch
 from loom.engine.sequence import Sequence
 from loom.kv.attention import AttentionMetadata, PrefillSegment
 from loom.kv.cache import KVCache
+from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleResult, SampleRow, top_logprobs
 from loom.models.llama import LlamaForCausalLM
 from loom.outputs import Logprob
@@ -30,8 +31,9 @@ class SeqStepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, sampler: Sampler, device: torch.device,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], swap_space: SwapSpace | None = None) -> None:
         self.model, self.cache, self.sampler, self.device = model, cache, sampler, device
+        self.swap_space = swap_space
         self.block_size = cache.block_size
         self.eos_token_ids = eos_token_ids
 
@@ -41,12 +43,18 @@ class ModelRunner:
         if len(seq.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         proposals = 2 * seq.beam_width if seq.is_beam else 0
-        return SampleRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, banned, num_samples, proposals)
+        generators = seq.sibling_generators[:num_samples] if num_samples > 1 else [seq.generator]
+        return SampleRow(p, generators, seq.prompt_token_ids, seq.output_token_ids, banned, proposals)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_samples: dict[int, int] | None = None) -> list[SeqStepOutput]:
         """Runs one step. `num_samples` maps id(seq) to how many tokens to draw for it (n > 1
         at the end of a prompt); the default is one."""
+        # Order matters: blocks freed by a swap-out may be refilled by a swap-in or a copy.
+        if batch.swap_out:
+            self.swap_space.swap_out(batch.swap_out)
+        if batch.swap_in:
+            self.swap_space.swap_in(batch.swap_in)
         self.cache.copy_blocks(batch.copies)
         input_ids, positions, slots = [], [], []
         sample_rows: list[int] = []

@@ -25,6 +25,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]       # tokens each sequence computes this step
     num_decodes: int                # leading sequences with exactly one new token
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
 
     @property
     def num_tokens(self) -> int:
@@ -40,14 +42,16 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
+        self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest first
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         self.last_copies: list[tuple[int, int]] = []  # the last step's copy-on-write pairs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Removes every sequence of the request, freeing its blocks; returns them."""
@@ -58,7 +62,12 @@ class Scheduler:
         queued = [s for s in self.waiting if s.request_id == request_id]
         for seq in queued:
             self.waiting.remove(seq)
-        return removed + queued
+        swapped = [s for s in self.swapped if s.request_id == request_id]
+        for seq in swapped:
+            self.swapped.remove(seq)
+            self.block_manager.free_swap_ids.extend(seq.swap_table)
+            seq.swap_table = []
+        return removed + queued + swapped
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one joins the batch directly."""
@@ -76,6 +85,7 @@ class Scheduler:
         bm = self.block_manager
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
+        self._swap_out: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -102,6 +112,21 @@ class Scheduler:
             chosen.append((seq, n))
             budget -= n
             i += 1
+
+        # Swapped sequences come back before new ones are admitted (they arrived earlier).
+        swap_in: list[tuple[int, int]] = []
+        while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0 or not bm.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            swap_in += bm.swap_in(seq)
+            bm.allocate_slots(seq, n)  # cannot fail: can_swap_in counted these blocks
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order)
+            chosen.append((seq, n))
+            budget -= n
 
         # No admissions in a step that had to preempt: the pool is full.
         while (self.waiting and budget > 0 and not preempted
@@ -133,6 +158,8 @@ class Scheduler:
             num_new_tokens=[n for _, n in chosen],
             num_decodes=sum(1 for _, n in chosen if n == 1),
             copies=copies,
+            swap_out=self._swap_out,
+            swap_in=swap_in,
         )
 
     def _group(self, seq: Sequence) -> list[Sequence]:
@@ -142,9 +169,17 @@ class Scheduler:
         return [s for s in self.running if s.request_id == seq.request_id]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the sequence's KV; it keeps its tokens and re-queues first."""
+        """Swap: the sequence's blocks move to the second tier and come back intact later.
+        Recompute (also when the swap space is full): its KV is dropped; it keeps its tokens,
+        re-queues first and is prefilled again."""
         self.running.remove(seq)
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            self._swap_out += self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.order)
+            self.num_swap_outs += 1
+            return
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1

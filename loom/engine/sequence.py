@@ -18,6 +18,7 @@ _arrival_counter = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -29,6 +30,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # second-tier slots while swapped out
     # Tokens whose K/V are in the cache (computed here or found in the prefix cache).
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # of those, reused from the prefix cache at admission
@@ -38,7 +40,9 @@ class Sequence:
     was_admitted: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     index: int = 0  # which of the request's n outputs (or beams) this is
-    generator: torch.Generator | None = None  # the request's, when params.seed is given
+    generator: torch.Generator | None = None  # its own, when params.seed is given
+    # n > 1, before the fork: the generators of all n samples (index 0 is this sequence's)
+    sibling_generators: list[torch.Generator | None] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""  # output text (cut at a stop string)
     stop_reason: int | str | None = None

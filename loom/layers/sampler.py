@@ -20,12 +20,15 @@ from loom.sampling_params import SamplingParams
 @dataclass
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None
+    generators: list[torch.Generator | None]  # one per draw (n > 1: one per child forked from the row)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]   # masked this step (min_tokens not reached yet)
-    num_samples: int = 1          # n > 1: draws for each child forked from this row
     num_proposals: int = 0        # beam search: the row's top tokens by logprob instead of a draw
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.generators)
 
 
 @dataclass
@@ -56,13 +59,12 @@ class Sampler:
                 results[i].token_ids = [tok]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            expanded = [i for i in sampled for _ in range(rows[i].num_samples)]
-            probs = filtered_probs(logits[expanded], [rows[i].params for i in expanded])
+            expanded = [(i, g) for i in sampled for g in rows[i].generators]
+            probs = filtered_probs(logits[[i for i, _ in expanded]], [rows[i].params for i, _ in expanded])
             noise = torch.empty_like(probs)
-            for k, i in enumerate(expanded):
-                g = rows[i].generator
+            for k, (_, g) in enumerate(expanded):
                 noise[k].exponential_(generator=g if g is not None else self.generator)
-            for i, tok in zip(expanded, (probs / noise).argmax(dim=-1).tolist()):
+            for (i, _), tok in zip(expanded, (probs / noise).argmax(dim=-1).tolist()):
                 results[i].token_ids.append(tok)
         if raw_logprobs is not None:
             for i, r in enumerate(rows):
