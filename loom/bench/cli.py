@@ -29,6 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--context", type=int, default=1024)
     a.set_defaults(func=_attention)
 
+    n = sub.add_parser("parallel", help="n samples forked from one prefill vs n separate requests")
+    common(n)
+    n.add_argument("--dtype", default="float32")
+    n.add_argument("--n", type=int, default=8)
+    n.add_argument("--prompt-len", type=int, default=512)
+    n.add_argument("--output-len", type=int, default=64)
+    n.set_defaults(func=_parallel)
+
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
     common(p)
     p.add_argument("--dtype", default="float32")
@@ -128,4 +136,28 @@ def _prefix(args: argparse.Namespace) -> None:
                         args.out_dir)
     bar_plot(path.with_suffix(".png"), f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix",
              ["Loom, prefix caching", "Loom, no caching"], [on["seconds"], off["seconds"]], "total seconds")
+    print(f"wrote {path}")
+
+
+def _parallel(args: argparse.Namespace) -> None:
+    from loom.bench import parallel
+    from loom.bench.report import bar_plot, write_report
+
+    model, vocab = _setup(args)
+    kw = dict(model_dir=model, dtype=args.dtype, n=args.n, prompt_len=args.prompt_len, output_len=args.output_len,
+              vocab_size=vocab)
+    forked = parallel.run(forked=True, **kw)
+    separate = parallel.run(forked=False, **kw)
+    speedup = separate["seconds"] / forked["seconds"]
+    for r in (forked, separate):
+        print(f"{r['mode']}: {r['seconds']:.2f} s, peak KV {r['peak_kv_bytes'] / 2**20:.1f} MiB "
+              f"({r['peak_kv_blocks']} blocks)")
+    print(f"forked is {speedup:.2f}x faster")
+    path = write_report("parallel_sampling", {"model": str(model), "dtype": args.dtype,
+                                              "workload": {k: v for k, v in kw.items() if k != "model_dir"},
+                                              "forked": forked, "separate": separate, "speedup": speedup},
+                        args.out_dir)
+    bar_plot(path.with_suffix(".png"), f"n={args.n} samples of a {args.prompt_len}-token prompt",
+             [f"Loom n={args.n} (forked)", f"Loom {args.n} requests"], [forked["seconds"], separate["seconds"]],
+             "total seconds")
     print(f"wrote {path}")

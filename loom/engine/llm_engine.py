@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from loom.config import EngineConfig
+from loom.detokenizer import IncrementalDetokenizer, find_stop
 from loom.engine.beam_search import BeamState
 from loom.engine.block_manager import BlockManager
 from loom.engine.model_runner import ModelRunner
 from loom.engine.scheduler import Scheduler
-from loom.detokenizer import IncrementalDetokenizer, find_stop
 from loom.engine.sequence import Request, Sequence, SequenceStatus
 from loom.kv.attention import ATTENTION_BACKENDS, load_kernels
 from loom.kv.cache import KVCache, kv_bytes_per_block
@@ -23,6 +23,7 @@ from loom.kv.swap import SwapSpace
 from loom.layers.linear import can_pack, pack_linears
 from loom.layers.sampler import Sampler
 from loom.models.config import ModelConfig
+from loom.models.llama import LlamaForCausalLM
 from loom.models.loader import load_model
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
 from loom.sampling_params import SamplingParams
@@ -59,56 +60,59 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        backend = attention_backend or ("cpp" if self.device.type == "cpu" else "torch")
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: {backend!r}, choose from {ATTENTION_BACKENDS}")
-        if backend == "cpp":
-            load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
-
         self.tokenizer = Tokenizer.from_dir(config.model)
-        sched = config.scheduler
-        model_config = ModelConfig.from_dir(config.model)
-        if sched.max_model_len <= 0:
-            sched.max_model_len = model_config.max_position_embeddings
-        elif sched.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_config.max_position_embeddings}")
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
-            raise ValueError(f"max_num_batched_tokens: {sched.max_num_batched_tokens} < max_model_len "
-                             f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
-        self.model = load_model(config.model, config.dtype, self.device, sched.max_model_len)
-        self.model.set_attention_backend(backend)
-        if config.pack_linear_weights and can_pack(self.device):
-            pack_linears(self.model)
+        self.model = self._load_model(attention_backend)
         self.model_config = self.model.config
-
-        cache_cfg = config.cache
-        bs = cache_cfg.block_size
-        per_block = kv_bytes_per_block(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                                       bs, config.dtype)
-        blocks_per_seq = -(-sched.max_model_len // bs)
-        # No point in more blocks than max_num_seqs full-length sequences could ever hold.
-        num_blocks = min(cache_cfg.budget_bytes() // per_block, sched.max_num_seqs * blocks_per_seq)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_memory: {cache_cfg.budget_bytes()} bytes hold {num_blocks} blocks of {bs} tokens, but one "
-                f"sequence of max_model_len {sched.max_model_len} needs {blocks_per_seq}; raise kv_cache_memory "
-                "or lower max_model_len")
-        self.cache = KVCache(model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
-                             bs, config.dtype, self.device)
-        num_swap_blocks = cache_cfg.swap_space // per_block if sched.preemption_mode == "swap" else 0
-        if sched.preemption_mode == "swap" and num_swap_blocks < 1:
-            raise ValueError(f"swap_space: {cache_cfg.swap_space} bytes hold no block of {per_block} bytes")
-        self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
-        self.block_manager = BlockManager(num_blocks, bs, cache_cfg.enable_prefix_caching, num_swap_blocks)
-        self.scheduler = Scheduler(sched, self.block_manager)
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.cache, self.swap_space, self.block_manager = self._allocate_kv()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device,
                                   self.eos_token_ids, self.swap_space)
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _load_model(self, attention_backend: str | None) -> LlamaForCausalLM:
+        backend = attention_backend or ("cpp" if self.device.type == "cpu" else "torch")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {backend!r}, choose from {ATTENTION_BACKENDS}")
+        if backend == "cpp":
+            load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
+        sched, max_positions = self.config.scheduler, ModelConfig.from_dir(self.config.model).max_position_embeddings
+        if sched.max_model_len <= 0:
+            sched.max_model_len = max_positions
+        elif sched.max_model_len > max_positions:
+            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_positions}")
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {sched.max_num_batched_tokens} < max_model_len "
+                             f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
+        model = load_model(self.config.model, self.config.dtype, self.device, sched.max_model_len)
+        model.set_attention_backend(backend)
+        if self.config.pack_linear_weights and can_pack(self.device):
+            pack_linears(model)
+        return model
+
+    def _allocate_kv(self) -> tuple[KVCache, SwapSpace | None, BlockManager]:
+        """Sizes the block pool from the memory budget (and the swap tier, in swap mode)."""
+        cfg, sched, m = self.config.cache, self.config.scheduler, self.model_config
+        bs = cfg.block_size
+        per_block = kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, bs, self.config.dtype)
+        blocks_per_seq = -(-sched.max_model_len // bs)
+        # No point in more blocks than max_num_seqs full-length sequences could ever hold.
+        num_blocks = min(cfg.budget_bytes() // per_block, sched.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_memory: {cfg.budget_bytes()} bytes hold {num_blocks} blocks of {bs} tokens, but one "
+                f"sequence of max_model_len {sched.max_model_len} needs {blocks_per_seq}; raise kv_cache_memory "
+                "or lower max_model_len")
+        cache = KVCache(m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, bs, self.config.dtype, self.device)
+        num_swap_blocks = cfg.swap_space // per_block if sched.preemption_mode == "swap" else 0
+        if sched.preemption_mode == "swap" and num_swap_blocks < 1:
+            raise ValueError(f"swap_space: {cfg.swap_space} bytes hold no block of {per_block} bytes")
+        swap = SwapSpace(cache, num_swap_blocks) if num_swap_blocks else None
+        return cache, swap, BlockManager(num_blocks, bs, cfg.enable_prefix_caching, num_swap_blocks)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
