@@ -12,6 +12,7 @@ import importlib
 _COMMAND_MODULES = [
     "loom.commands.generate",   # generate, chat
     "loom.models.llama2c",      # convert
+    "loom.quant.cli",           # quantize
     "loom.bench.cli",           # bench
     "loom.planner.cli",         # plan
 ]

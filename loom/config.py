@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported (choose from {sorted(_DTYPES)})")
     return _DTYPES[name]
+
+
+def cache_root() -> Path:
+    """Where Loom keeps what it builds or measures once per machine (LOOM_CACHE overrides)."""
+    return Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
 
 
 def available_memory_bytes() -> int:
@@ -86,3 +92,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     pack_linear_weights: bool = True  # oneDNN-packed weights on CPU (see loom/layers/linear.py)
+    quantization: str | None = None  # "int8" | "int4": quantize weights at load time
+    group_size: int = 32             # int4 group size

@@ -4,18 +4,15 @@ in the Hugging Face layout so Loom and its peers load the very same files."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from loom.config import cache_root
+
 REFERENCE_134M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
 
 
 def reference_model_dir(shape: dict | None = None, name: str = "ref-134m", seed: int = 0) -> Path:

@@ -26,6 +26,7 @@ from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
 from loom.models.loader import load_model
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
+from loom.quant.model import quantize_model
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -90,6 +91,11 @@ class LLMEngine:
                              f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
         model = load_model(self.config.model, self.config.dtype, self.device, sched.max_model_len)
         model.set_attention_backend(backend)
+        if self.config.quantization is not None:
+            if model.config.quantization is not None:
+                raise ValueError(f"quantization: {self.config.model} is already quantized "
+                                 f"({model.config.quantization['method']}); load it without quantization=")
+            quantize_model(model, self.config.quantization, self.config.group_size)
         if self.config.pack_linear_weights and can_pack(self.device):
             pack_linears(model)
         return model

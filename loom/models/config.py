@@ -32,6 +32,7 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: dict[str, Any] | None = None  # Loom's weight-only checkpoint format, if quantized
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -93,4 +94,17 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=_quantization(raw.get("quantization_config"), source),
         )
+
+
+QUANT_FORMAT = "loom-weight-only"
+
+
+def _quantization(raw: dict[str, Any] | None, source: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if raw.get("quant_method") != QUANT_FORMAT:
+        raise ValueError(f"{source}: field 'quantization_config.quant_method' is {raw.get('quant_method')!r}; "
+                         f"only checkpoints written by `loom quantize` ({QUANT_FORMAT!r}) are supported")
+    return raw

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
+from loom.quant.checkpoint import load_quantized_checkpoint
 
 # HF tensors that carry no weights Loom needs (RoPE caches some checkpoints still ship).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,6 +47,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
         model.lm_head.weight = model.embed_tokens.weight
+    if cfg.quantization is not None:
+        load_quantized_checkpoint(model, model_dir, safetensors_files(model_dir))
+        model.to(dtype=dtype)
+        return model.eval()
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
     for path in safetensors_files(model_dir):

@@ -1,0 +1,92 @@
+"""Quantized checkpoints: written once by `loom quantize`, loaded without re-quantizing.
+
+The directory keeps the source's config.json (plus a `quantization_config` section) and
+tokenizer files; model.safetensors holds, in Loom's module names (q/k/v and gate/up merged),
+each quantized layer's `qweight` (int8, or int4 two per byte), `scales` and (int4) `zeros`,
+and every other tensor as it was. Nothing in it depends on the machine that wrote it: the
+kernels' packed layouts are rebuilt at load time.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from loom.models.config import QUANT_FORMAT
+from loom.quant.dispatch import load_crossover
+from loom.quant.linear import WeightOnlyLinear
+from loom.quant.quantize import check_options, pack_int4, unpack_int4
+
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+def write_quantized_checkpoint(src: str | Path, dst: str | Path, method: str, group_size: int) -> None:
+    from loom.models.loader import load_model  # the loader imports this module
+    from loom.quant.model import quantize_model
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{src}: already quantized ({config['quantization_config']}); quantize the original")
+    check_options(method, group_size)
+    model = load_model(src, torch.float32)
+    quantize_model(model, method, group_size)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, WeightOnlyLinear):
+            tensors[f"{name}.qweight"] = pack_int4(module.qweight) if method == "int4" else module.qweight
+            tensors[f"{name}.scales"] = module.scales
+            if module.zeros is not None:
+                tensors[f"{name}.zeros"] = module.zeros
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias
+    for name, param in model.named_parameters():
+        tensors[name] = param.detach()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    config["quantization_config"] = {"quant_method": QUANT_FORMAT, "method": method, "group_size": group_size}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in _COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Path]) -> None:
+    """Swaps the model's nn.Linear layers for WeightOnlyLinear and fills everything from files."""
+    q = model.config.quantization
+    method, group_size = q["method"], int(q.get("group_size", 0))
+    check_options(method, group_size)
+    crossover = load_crossover(method)
+    layers: dict[str, WeightOnlyLinear] = {}
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, attr = name.rpartition(".")
+        layer = WeightOnlyLinear(linear.in_features, linear.out_features, method, group_size, None, crossover)
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        layers[name] = layer
+    params = dict(model.named_parameters())
+    pieces: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                module, _, field = key.rpartition(".")
+                if module in layers:
+                    pieces[module][field] = f.get_tensor(key)
+                elif key in params:
+                    if list(params[key].shape) != f.get_slice(key).get_shape():
+                        raise ValueError(f"{path}: tensor {key!r} has the wrong shape for config.json")
+                    params[key].data.copy_(f.get_tensor(key))
+                else:
+                    raise ValueError(f"{path}: tensor {key!r} does not belong to this model")
+    for name, layer in layers.items():
+        got = pieces[name]
+        needed = {"qweight", "scales"} | ({"zeros"} if method == "int4" else set())
+        if not needed <= got.keys():
+            raise ValueError(f"{model_dir}: quantized layer {name!r} lacks {sorted(needed - got.keys())}")
+        qweight = unpack_int4(got["qweight"]) if method == "int4" else got["qweight"]
+        layer.bias = got.get("bias")
+        layer.load_quantized(qweight, got["scales"], got.get("zeros"))

@@ -1,0 +1,61 @@
+"""Quantizing and dequantizing weight matrices [out_features, in_features].
+
+int8: symmetric absmax per output channel, w ~= q * scale, q in [-127, 127].
+int4: asymmetric min-max per group of `group_size` inputs, w ~= (q - 8) * scale + zero with
+q in [0, 15] (the convention of torch's int4 CPU kernel, so no conversion is needed there).
+On disk int4 values are two per byte, the even input index in the low nibble.
+"""
+from __future__ import annotations
+
+import torch
+
+METHODS = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_options(method: str, group_size: int, in_features: int | None = None, name: str = "") -> None:
+    if method not in METHODS:
+        raise ValueError(f"quantization: unknown method {method!r}, choose from {METHODS}")
+    if method == "int4":
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size: must be one of {GROUP_SIZES}, got {group_size}")
+        if in_features is not None and in_features % group_size:
+            raise ValueError(f"group_size: {group_size} does not divide the input dimension {in_features}"
+                             f"{f' of {name}' if name else ''}")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q uint8 [N, K] in 0..15, scales [N, K/g], zeros [N, K/g]) in fp32."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, lo + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.reshape(n, scale.shape[1], -1).float()
+    return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] bytes."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
