@@ -1,0 +1,80 @@
+"""The llama.cpp peer: the q/k row permutation (always), and the GGUF export run by llama.cpp
+itself (only with LOOM_TEST_PEERS=1, since the peer venv compiles llama.cpp for minutes)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hf_greedy
+from loom.bench.llamacpp import permute_qk
+
+
+def test_permute_qk_interleaves_each_heads_halves():
+    rows = np.arange(8, dtype=np.float32).reshape(8, 1)  # 2 heads of head_dim 4
+    assert permute_qk(rows, 2).ravel().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_permuted_rows_with_pairwise_rope_match_hf_rope():
+    """RoPE on halves (HF) of W x equals, up to the same permutation, RoPE on adjacent pairs
+    (llama.cpp) of permute(W) x; applied to q and k alike, the attention scores are unchanged."""
+    rng = np.random.default_rng(0)
+    n_heads, head_dim, pos = 3, 8, 5
+    w = rng.standard_normal((n_heads * head_dim, 16))
+    x = rng.standard_normal(16)
+    angle = pos * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim)
+    cos, sin = np.cos(angle), np.sin(angle)
+
+    q = (w @ x).reshape(n_heads, 2, head_dim // 2)  # HF: rotate (first half, second half) pairs
+    hf = np.concatenate([q[:, 0] * cos - q[:, 1] * sin, q[:, 1] * cos + q[:, 0] * sin], axis=-1)
+
+    p = (permute_qk(w, n_heads) @ x).reshape(n_heads, head_dim // 2, 2)  # llama.cpp: rotate adjacent pairs
+    cpp = np.stack([p[..., 0] * cos - p[..., 1] * sin, p[..., 1] * cos + p[..., 0] * sin], axis=-1)
+
+    np.testing.assert_allclose(permute_qk(hf.reshape(-1, 1), n_heads).ravel(), cpp.ravel(), rtol=1e-12)
+
+
+peers = pytest.mark.skipif(os.environ.get("LOOM_TEST_PEERS") != "1",
+                           reason="set LOOM_TEST_PEERS=1: building the llama.cpp peer venv compiles llama.cpp "
+                                  "(minutes), so it is not in the default suite")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import transformers
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a misplaced norm weight changes the tokens
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(d)
+    return d, model
+
+
+@peers
+def test_llamacpp_f32_greedy_matches_transformers(tiny_llama, tmp_path):
+    from loom.bench.llamacpp import run_llamacpp, write_gguf
+
+    model_dir, model = tiny_llama
+    prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
+    gguf_path = write_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
+    result = run_llamacpp(gguf_path, prompt, max_tokens=8, threads=2, repeats=1)
+    assert result["generated_ids"] == hf_greedy(model, prompt, 8)
+
+
+@peers
+def test_llamacpp_q8_0_runs(tiny_llama, tmp_path):
+    from loom.bench.llamacpp import run_llamacpp, write_gguf
+
+    model_dir, _ = tiny_llama
+    gguf_path = write_gguf(model_dir, tmp_path / "tiny-q8_0.gguf", "q8_0")
+    result = run_llamacpp(gguf_path, [1, 5, 9, 200], max_tokens=8, threads=2, repeats=2)
+    assert len(result["generated_ids"]) == 8 and result["decode_tok_per_s"] > 0
