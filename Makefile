@@ -21,5 +21,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The engine-core and decoding benchmarks (tens of minutes; JSON + PNG under docs/benchmarks/).
+bench: setup
+	$(PY) -m loom.cli bench attention
+	$(PY) -m loom.cli bench prefix
+	$(PY) -m loom.cli bench parallel
+	$(PY) -m loom.cli bench throughput
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,7 +34,7 @@ TINY_ARGS = [
     "--threads", "1", "--vocab-size", "512", "--hidden-size", "64", "--intermediate-size", "128",
     "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
     "--max-position-embeddings", "256", "--steps", "12", "--tokens-per-batch", "512",
-    "--curriculum", "128:0.5,256:0.5", "--warmup-steps", "4", "--eval-every", "6",
+    "--curriculum", "128:0.5:1,256:0.5:0.5", "--warmup-steps", "4", "--eval-every", "6",
     "--eval-needles", "4", "--final-needles", "4",
 ]
 

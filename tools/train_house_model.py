@@ -7,12 +7,12 @@ tokenizer_config.json, generation_config.json, README.md, loss_curve.png, traini
 Recipe, in order: a byte-level BPE tokenizer trained on the training split; the last 10% of the
 corpus held out for evaluation only; training batches mixing plain Shakespeare windows with dense
 needle sequences (several facts and questions each, answer tokens up-weighted in the loss);
-a context curriculum from short to long; the checkpoint with the best held-out loss among those
+a curriculum from short needle-dense contexts to long ones; the checkpoint with the best held-out loss among those
 that retrieve about as well as any so far is kept.
 Everything is seeded, so a given command and thread count reproduce the same model.
 
 Example (the shipped model's exact command is in its README):
-    python tools/train_house_model.py --corpus tinyshakespeare.txt --out models/house
+    python tools/train_house_model.py --corpus ../shared/corpora/tinyshakespeare.txt --out models/house
 """
 from __future__ import annotations
 
@@ -81,6 +81,13 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+@dataclass(frozen=True)
+class Stage:
+    context: int
+    share: float            # of the training steps
+    needle_fraction: float  # of the sequences in a batch
+
+
 @dataclass
 class TrainConfig:
     corpus: Path
@@ -88,23 +95,23 @@ class TrainConfig:
     seed: int = 1234
     threads: int = os.cpu_count() or 1
     heldout_fraction: float = 0.1
-    steps: int = 3000
+    steps: int = 3400
     tokens_per_batch: int = 4096
-    # (context length, fraction of steps) stages, run in order: short contexts teach retrieval
-    # cheaply before long ones teach it across the full window.
-    curriculum: list[tuple[int, float]] = field(
-        default_factory=lambda: [(256, 0.3), (512, 0.3), (1024, 0.4)])
+    # Stages run in order: (context length, share of steps, share of sequences carrying needles).
+    # Retrieval is first learned on short, needle-only batches, where it is cheap and its signal
+    # dense; later stages stretch it to the full window and give the steps back to Shakespeare.
+    curriculum: list[Stage] = field(default_factory=lambda: [
+        Stage(128, 0.25, 1.0), Stage(256, 0.2, 0.7), Stage(512, 0.2, 0.5), Stage(1024, 0.35, 0.4)])
     lr: float = 2e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    needle_fraction: float = 0.5   # share of sequences that carry needles
     max_facts: int = 8             # facts (each asked once) per needle sequence, at most
-    answer_weight: float = 4.0     # loss weight of answer tokens; plain text tokens weigh 1
-    haystack_weight: float = 1.0   # loss weight of the Shakespeare inside needle sequences
-    eval_every: int = 100
-    eval_needles: int = 16         # per context length, during training
+    answer_weight: float = 8.0     # loss weight of answer tokens; plain text tokens weigh 1
+    haystack_weight: float = 0.3   # loss weight of the Shakespeare inside needle sequences
+    eval_every: int = 150
+    eval_needles: int = 32         # per context length, during training
     final_needles: int = 200       # per context length, on the kept checkpoint
     # A checkpoint whose mean needle accuracy is this far below the best seen is never kept,
     # however good its held-out loss: overfitting must not discard retrieval learned late.
@@ -264,7 +271,6 @@ class HouseLlama(nn.Module):
 @dataclass
 class Corpus:
     tokenizer: Tokenizer
-    train_text: str
     heldout_text: str
     train_ids: torch.Tensor          # training split, no special tokens
     train_lines: list[str]
@@ -292,7 +298,7 @@ def load_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
     train_ids = torch.tensor(tokenizer.encode(train_text, add_special_tokens=False).ids)
     train_lines = train_text.split("\n")
     costs = [len(e.ids) for e in tokenizer.encode_batch([l + "\n" for l in train_lines], add_special_tokens=False)]
-    return Corpus(tokenizer, train_text, heldout_text, train_ids, train_lines, costs,
+    return Corpus(tokenizer, heldout_text, train_ids, train_lines, costs,
                   heldout_text.split("\n"), character_names(train_text))
 
 
@@ -372,12 +378,13 @@ def needle_sequence(corpus: Corpus, length: int, max_facts: int, answer_weight: 
     return ids + [corpus.eos_id] * pad, weights + [0.0] * pad
 
 
-def make_batch(corpus: Corpus, cfg: TrainConfig, length: int, rng: random.Random
+def make_batch(corpus: Corpus, cfg: TrainConfig, stage: Stage, rng: random.Random
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs, targets and per-target loss weights, each (batch, length)."""
+    """Inputs, targets and per-target loss weights, each (batch, stage.context)."""
+    length = stage.context
     rows, weights = [], []
     for _ in range(max(1, cfg.tokens_per_batch // length)):
-        if rng.random() < cfg.needle_fraction:
+        if rng.random() < stage.needle_fraction:
             ids, w = needle_sequence(corpus, length, cfg.max_facts, cfg.answer_weight, cfg.haystack_weight, rng)
         else:
             s = rng.randrange(len(corpus.train_ids) - length)
@@ -470,13 +477,13 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def context_at(cfg: TrainConfig, step: int) -> int:
+def stage_at(cfg: TrainConfig, step: int) -> Stage:
     edge = 0.0
-    for length, fraction in cfg.curriculum:
-        edge += fraction * cfg.steps
+    for stage in cfg.curriculum:
+        edge += stage.share * cfg.steps
         if step < edge:
-            return length
-    return cfg.curriculum[-1][0]
+            return stage
+    return cfg.curriculum[-1]
 
 
 def make_optimizer(model: HouseLlama, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -535,7 +542,7 @@ def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        inputs, targets, weights = make_batch(corpus, cfg, context_at(cfg, step), rng)
+        inputs, targets, weights = make_batch(corpus, cfg, stage_at(cfg, step), rng)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(inputs)
         nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
@@ -628,11 +635,12 @@ def plot_log(log: list[dict], unigram: float, path: Path) -> None:
 def write_readme(path: Path, command: str, model_cfg: ModelConfig, cfg: TrainConfig, n_params: int,
                  results: dict) -> None:
     needles = "\n".join(f"| {c} | {a * 100:.1f}% |" for c, a in results["needle_accuracy"].items())
+    stages = "\n".join(f"| {s.context} | {s.share} | {s.needle_fraction} |" for s in cfg.curriculum)
     reproducibility_note = (", and here on the step reached when --max-minutes stopped training"
                             if results["steps_run"] < cfg.steps else "")
     config_rows = "\n".join(f"| {k} | {v} |" for k, v in {
         **dataclasses.asdict(model_cfg), **{k: v for k, v in dataclasses.asdict(cfg).items()
-                                            if k not in ("corpus", "out")}}.items())
+                                            if k not in ("corpus", "out", "curriculum")}}.items())
     path.write_text(f"""# Loom house model
 
 A {n_params / 1e6:.2f}M-parameter Llama (grouped-query attention, tied embeddings, context
@@ -653,13 +661,17 @@ Seeded throughout; the result depends only on the command and the thread count
   the post-processor, EOS `</s>`, byte-level decoder (decode(encode(x)) == x). Trained on the
   training split only.
 - Data: the last {cfg.heldout_fraction:.0%} of the corpus is held out for evaluation only. Each training
-  sequence starts with BOS; {cfg.needle_fraction:.0%} of sequences are needle sequences: Shakespeare with
+  sequence starts with BOS; a share of them (set per curriculum stage) are needle sequences: Shakespeare with
   1 to {cfg.max_facts} lines `The secret number of NAME is NNNNN.` hidden in it and, for each, the line
   `What is the secret number of NAME? The secret number of NAME is NNNNN.` somewhere after it,
   the last one closing the sequence. Answer tokens weigh {cfg.answer_weight} in the loss, the facts'
   random digits 0, the rest of a needle sequence {cfg.haystack_weight}, plain sequences 1.
-- Curriculum of context lengths (tokens, share of steps): {cfg.curriculum}, at a constant
-  {cfg.tokens_per_batch} tokens per batch.
+- Curriculum, stages in order, at a constant {cfg.tokens_per_batch} tokens per batch:
+
+| context (tokens) | share of steps | share of needle sequences |
+|---|---|---|
+{stages}
+
 - AdamW (betas 0.9/0.95, weight decay {cfg.weight_decay}), cosine learning rate {cfg.lr} -> {cfg.min_lr} after
   {cfg.warmup_steps} warmup steps, gradient clipping {cfg.grad_clip}, dropout {model_cfg.dropout}, bf16 autocast.
 - Every {cfg.eval_every} steps: held-out loss and {cfg.eval_needles} needles per context length. The saved
@@ -724,7 +736,6 @@ def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], kept_st
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": corpus.bos_id,
         "eos_token_id": corpus.eos_id,
-        "max_length": model_cfg.max_position_embeddings,
     }, indent=2) + "\n")
     (out / "training_log.json").write_text(json.dumps({"results": results, "log": log}, indent=2) + "\n")
     plot_log(log, results["unigram_nats_per_char"], out / "loss_curve.png")
@@ -736,11 +747,11 @@ def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], kept_st
 # Command line
 # --------------------------------------------------------------------------------------------
 
-def parse_curriculum(spec: str) -> list[tuple[int, float]]:
-    """"256:0.3,512:0.3,1024:0.4" -> [(256, 0.3), (512, 0.3), (1024, 0.4)]."""
-    stages = [(int(a), float(b)) for a, b in (item.split(":") for item in spec.split(","))]
-    if abs(sum(f for _, f in stages) - 1) > 1e-6:
-        raise argparse.ArgumentTypeError("curriculum fractions must sum to 1")
+def parse_curriculum(spec: str) -> list[Stage]:
+    """"128:0.3:1,1024:0.7:0.5" -> [Stage(128, 0.3, 1.0), Stage(1024, 0.7, 0.5)]."""
+    stages = [Stage(int(c), float(s), float(n)) for c, s, n in (item.split(":") for item in spec.split(","))]
+    if abs(sum(stage.share for stage in stages) - 1) > 1e-6:
+        raise argparse.ArgumentTypeError("curriculum shares must sum to 1")
     return stages
 
 
@@ -749,7 +760,7 @@ def parse_args(argv: list[str] | None) -> tuple[ModelConfig, TrainConfig]:
     parser.add_argument("--corpus", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--curriculum", type=parse_curriculum,
-                        help="context:share-of-steps stages, e.g. 256:0.3,512:0.3,1024:0.4")
+                        help="context:share-of-steps:needle-fraction stages, e.g. 128:0.3:1,1024:0.7:0.5")
     # Every other field of the two configs is a flag of the same name with the same default.
     for config_cls in (ModelConfig, TrainConfig):
         for f in dataclasses.fields(config_cls):
@@ -761,7 +772,7 @@ def parse_args(argv: list[str] | None) -> tuple[ModelConfig, TrainConfig]:
     train_kwargs = {f.name: args[f.name] for f in dataclasses.fields(TrainConfig)
                     if f.name != "curriculum" or args["curriculum"] is not None}
     cfg = TrainConfig(**train_kwargs)
-    if max(length for length, _ in cfg.curriculum) > model_cfg.max_position_embeddings:
+    if max(stage.context for stage in cfg.curriculum) > model_cfg.max_position_embeddings:
         parser.error("curriculum contexts must not exceed --max-position-embeddings")
     if cfg.answer_weight <= 1:
         parser.error("--answer-weight must exceed 1 (answer tokens are told apart by their weight)")
