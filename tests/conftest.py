@@ -62,8 +62,9 @@ def hf_models(tmp_path_factory):
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face's own greedy generate, the reference for token identity."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+    x = torch.tensor([prompt_ids])
+    with torch.no_grad():  # explicit mask: never let transformers take a prompt token for padding
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt_ids):].tolist()
 

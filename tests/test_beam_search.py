@@ -20,9 +20,10 @@ def beam_model(tmp_path_factory):
 
 
 def hf_beam(hf, prompt, width, length_penalty):
+    x = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), num_beams=width, do_sample=False, max_new_tokens=MAX_NEW,
-                          length_penalty=length_penalty, eos_token_id=2, pad_token_id=0)
+        out = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=width, do_sample=False,
+                          max_new_tokens=MAX_NEW, length_penalty=length_penalty, eos_token_id=2, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -36,6 +36,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 # The script lives in tools/; make the repository's `loom` package importable when run directly.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loom.layers.norm import RMSNorm  # noqa: E402  (the engine's own, so the numerics match)
 from loom.data.needles import (  # noqa: E402
     character_names,
     make_needle_sample,
@@ -150,19 +151,6 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 # --------------------------------------------------------------------------------------------
 # Model: plain PyTorch, parameter names and numerics of transformers' LlamaForCausalLM
 # --------------------------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     # HF Llama's convention: the head is split in halves, not interleaved pairs.

@@ -37,6 +37,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--output-len", type=int, default=64)
     n.set_defaults(func=_parallel)
 
+    q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
+    q.add_argument("--model", default=None, help="model directory (default: the house model)")
+    q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--out-dir", type=Path, default=None)
+    q.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "corpora"
+                   / "tinyshakespeare.txt", help="the text the model was trained on (its last 10%% is held out)")
+    q.add_argument("--needles", type=int, default=200, help="fresh needles per context length")
+    q.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024])
+    q.add_argument("--quantization", nargs="*", default=["int8", "int4"],
+                   help="also score these weight-only variants against bf16")
+    q.set_defaults(func=_quality)
+
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
     common(p)
     p.add_argument("--dtype", default="float32")
@@ -161,3 +173,58 @@ def _parallel(args: argparse.Namespace) -> None:
              [f"Loom n={args.n} (forked)", f"Loom {args.n} requests"], [forked["seconds"], separate["seconds"]],
              "total seconds")
     print(f"wrote {path}")
+
+
+def _quality(args: argparse.Namespace) -> None:
+    import random
+
+    import torch
+
+    from loom import LLM, SamplingParams
+    from loom.bench import quality
+    from loom.bench.report import bar_plot, write_report
+    from loom.commands.generate import DEFAULT_MODEL
+
+    torch.set_num_threads(args.threads)
+    model = args.model or str(DEFAULT_MODEL)
+    if not args.corpus.is_file():
+        raise SystemExit(f"corpus not found: {args.corpus} (pass --corpus)")
+    train_text, heldout = quality.split_corpus(args.corpus)
+    unigram = _unigram_nats_per_char(LLM(model).get_tokenizer(), train_text, heldout)
+    bf16 = LLM(model, dtype="bfloat16")
+    rows = {"bfloat16": {"nats_per_char": quality.nats_per_char(bf16, heldout)}}
+    rows["bfloat16"]["needle_accuracy"] = quality.needle_accuracy(bf16, train_text, heldout, args.contexts,
+                                                                  args.needles)
+    print(f"bf16: {rows['bfloat16']['nats_per_char']:.4f} nats/char (unigram {unigram:.4f}); "
+          f"needles {rows['bfloat16']['needle_accuracy']}", flush=True)
+    rng = random.Random(0)
+    lines = [l for l in heldout.split("\n") if len(l) > 20]
+    prompts = [rng.choice(lines) for _ in range(64)]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy, use_tqdm=False)]
+    for method in args.quantization:
+        llm = LLM(model, dtype="bfloat16", quantization=method, group_size=32)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        rows[method] = {"nats_per_char": quality.nats_per_char(llm, heldout),
+                        "greedy_agreement_64_prompts": quality.greedy_agreement(reference, tokens)}
+        rows[method]["loss_increase_vs_bf16"] = rows[method]["nats_per_char"] / rows["bfloat16"]["nats_per_char"] - 1
+        print(f"{method}: {rows[method]['nats_per_char']:.4f} nats/char "
+              f"({rows[method]['loss_increase_vs_bf16'] * 100:+.2f}%), agreement "
+              f"{rows[method]['greedy_agreement_64_prompts']}", flush=True)
+    path = write_report("quality", {"model": model, "corpus_heldout_chars": len(heldout),
+                                    "unigram_nats_per_char": unigram, "results": rows}, args.out_dir)
+    bar_plot(path.with_suffix(".png"), "Held-out loss through the engine (lower is better)",
+             ["unigram"] + [f"Loom {k}" for k in rows], [unigram] + [r["nats_per_char"] for r in rows.values()],
+             "nats per character")
+    print(f"wrote {path}")
+
+
+def _unigram_nats_per_char(tokenizer, train_text: str, heldout: str) -> float:
+    """Baseline: add-one-smoothed token frequencies of the training split, scored on held-out text."""
+    import math
+    from collections import Counter
+
+    counts = Counter(tokenizer.encode(train_text, add_special_tokens=False))
+    total = sum(counts.values()) + tokenizer.vocab_size
+    return -sum(math.log((counts[t] + 1) / total) for t in tokenizer.encode(heldout, add_special_tokens=False)) \
+        / len(heldout)
