@@ -117,6 +117,10 @@ class TrainConfig:
     # A checkpoint whose mean needle accuracy is this far below the best seen is never kept,
     # however good its held-out loss: overfitting must not discard retrieval learned late.
     needle_tolerance: float = 0.05
+    # > 0: once some checkpoint reaches this needle accuracy at every length, keep the lowest
+    # held-out loss among those that do (instead of the tolerance rule above)
+    min_needle_accuracy: float = 0.0
+    stop_after: int = 0            # end after this step (0: all); the LR schedule still spans `steps`
     max_minutes: float = 0.0       # stop training early after this long (0: run all steps)
 
 
@@ -511,12 +515,17 @@ def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
         log.append(entry)
         needles = sum(entry["needle_accuracy"].values()) / len(entry["needle_accuracy"])
         best_needles = max(best_needles, needles)
-        keep = (not kept
-                or kept["needles"] < best_needles - cfg.needle_tolerance
-                or (needles >= best_needles - cfg.needle_tolerance
-                    and entry["heldout_nats_per_char"] < kept["entry"]["heldout_nats_per_char"]))
+        qualified = bool(cfg.min_needle_accuracy) and min(entry["needle_accuracy"].values()) >= cfg.min_needle_accuracy
+        if qualified or kept.get("qualified"):
+            keep = qualified and (not kept.get("qualified")
+                                  or entry["heldout_nats_per_char"] < kept["entry"]["heldout_nats_per_char"])
+        else:
+            keep = (not kept
+                    or kept["needles"] < best_needles - cfg.needle_tolerance
+                    or (needles >= best_needles - cfg.needle_tolerance
+                        and entry["heldout_nats_per_char"] < kept["entry"]["heldout_nats_per_char"]))
         if keep:
-            kept = {"entry": entry, "needles": needles,
+            kept = {"entry": entry, "needles": needles, "qualified": qualified,
                     "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
         per_context = " ".join(f"{c}:{a:.2f}" for c, a in entry["needle_accuracy"].items())
         print(f"step {step:5d}  {entry['minutes']:6.1f} min  train {entry['train_loss']:.3f}  "
@@ -547,6 +556,8 @@ def train(model: HouseLlama, corpus: Corpus, cfg: TrainConfig
         if (step + 1) % cfg.eval_every == 0:
             evaluate(step + 1)
             running, running_n, answer_nll, answer_n = 0.0, 0, 0.0, 0
+        if cfg.stop_after and step + 1 >= cfg.stop_after:
+            break
         if cfg.max_minutes and time.perf_counter() - started > cfg.max_minutes * 60:
             print(f"stopping at step {step + 1}: --max-minutes reached", flush=True)
             break

@@ -37,6 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--output-len", type=int, default=64)
     n.set_defaults(func=_parallel)
 
+    lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
+    common(lt)
+    lt.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    lt.add_argument("--prompt-len", type=int, default=128)
+    lt.add_argument("--max-tokens", type=int, default=128)
+    lt.add_argument("--repeats", type=int, default=3)
+    lt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer (its venv build takes minutes)")
+    lt.set_defaults(func=_latency)
+
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
     q.add_argument("--model", default=None, help="model directory (default: the house model)")
     q.add_argument("--threads", type=int, default=2)
@@ -228,3 +237,59 @@ def _unigram_nats_per_char(tokenizer, train_text: str, heldout: str) -> float:
     total = sum(counts.values()) + tokenizer.vocab_size
     return -sum(math.log((counts[t] + 1) / total) for t in tokenizer.encode(heldout, add_special_tokens=False)) \
         / len(heldout)
+
+
+# Loom variants of `loom bench latency` and the llama.cpp type each is compared with.
+LATENCY_VARIANTS = [("float32", None, "f32"), ("bfloat16", None, "bf16"), ("bfloat16", "int8", "q8_0"),
+                    ("bfloat16", "int4", "q4_0")]
+
+
+def _latency(args: argparse.Namespace) -> None:
+    from loom.bench import latency
+    from loom.bench.report import bar_plot, write_report
+    from loom.config import cache_root
+    from loom.models.config import ModelConfig
+
+    model, _ = _setup(args)
+    cfg = ModelConfig.from_dir(model)
+    peak = latency.measure_bandwidth()
+    print(f"peak read bandwidth {peak / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+    rows = []
+    for dtype, quant, gguf_type in LATENCY_VARIANTS:
+        for batch in args.batches:
+            r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
+            step_bytes = latency.weight_bytes(cfg, dtype, quant) + latency.kv_bytes(
+                cfg, dtype, args.prompt_len + args.max_tokens // 2, batch)
+            r["mbu"] = step_bytes * r["steps_per_s"] / peak
+            rows.append(r)
+            print(f"loom {dtype} {quant or ''} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
+        if quant is None:
+            for batch in args.batches:
+                r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
+                step_bytes = latency.weight_bytes(cfg, dtype, None) + latency.kv_bytes(
+                    cfg, dtype, args.prompt_len + args.max_tokens // 2, batch)
+                r["mbu"] = step_bytes * r["steps_per_s"] / peak
+                rows.append(r)
+                print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
+        if not args.no_llamacpp:
+            from loom.bench import llamacpp
+
+            llamacpp.ensure_llamacpp_venv()
+            gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_type}.gguf"
+            if not gguf.is_file():
+                gguf.parent.mkdir(parents=True, exist_ok=True)
+                llamacpp.write_gguf(model, gguf, gguf_type)
+            prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
+            r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats)
+            r = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],
+                 "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
+            rows.append(r)
+            print(f"llama.cpp {gguf_type} batch 1: {r['tok_per_s']:.1f} tok/s", flush=True)
+    path = write_report("latency", {"model": str(model), "prompt_len": args.prompt_len,
+                                    "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                    "peak_read_GBps": peak / 1e9, "results": rows}, args.out_dir)
+    batch1 = [r for r in rows if r["batch"] == 1]
+    bar_plot(path.with_suffix(".png"), f"Batch-1 decode, prompt {args.prompt_len}, {args.threads} threads",
+             [f"{'Loom' if r['engine'] == 'loom' else r['engine']}\n{r.get('quantization') or r['dtype']}"
+              for r in batch1], [r["tok_per_s"] for r in batch1], "tokens/s (median)")
+    print(f"wrote {path}")

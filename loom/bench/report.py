@@ -13,6 +13,18 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 
 
+def model_label(path: str | Path) -> str:
+    """A model's name for reports: relative to the repository or to Loom's cache, never an
+    absolute path of the machine that ran the benchmark."""
+    from loom.config import cache_root
+
+    path = Path(path).resolve()
+    for root, prefix in ((BENCH_DIR.parents[1], ""), (cache_root(), "<loom cache>/")):
+        if path.is_relative_to(root.resolve()):
+            return prefix + str(path.relative_to(root.resolve()))
+    return path.name
+
+
 def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "machine": platform.machine(), "cpu_count": torch.multiprocessing.cpu_count(),
@@ -22,6 +34,8 @@ def environment() -> dict[str, Any]:
 def write_report(name: str, results: dict[str, Any], out_dir: Path | None = None) -> Path:
     out_dir = out_dir or BENCH_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "model" in results:
+        results = {**results, "model": model_label(results["model"])}
     payload = {"benchmark": name, "command": "loom " + " ".join(sys.argv[1:]), "environment": environment(), **results}
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")

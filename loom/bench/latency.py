@@ -1,0 +1,92 @@
+"""Decode latency at small batch, with achieved memory bandwidth (MBU), against the peers.
+
+Decode speed counts generated tokens after the first (which comes from the prefill), per
+second of decode steps, as the llama.cpp peer does. MBU = bytes a decode step must read
+(every weight once, plus the KV cache) / time per step / the machine's peak read bandwidth.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from loom import LLM, SamplingParams
+from loom.models.config import ModelConfig
+
+
+def measure_bandwidth(seconds: float = 1.0) -> float:
+    """Peak read bandwidth in bytes/s: summing a buffer much larger than the caches."""
+    x = torch.ones(256 << 20 >> 2)  # 256 MiB of fp32
+    x.sum()
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.nbytes / (time.perf_counter() - t))
+    return best
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = 32) -> float:
+    """Bytes of weights a decode step reads: every linear layer (and the head) once; the
+    embedding contributes one row per token, which is negligible."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    linear = cfg.num_layers * (h * (cfg.num_heads * cfg.head_dim) * 2 + 2 * h * kv + 3 * h * i) + h * v
+    per_weight = {None: 4 if dtype == "float32" else 2, "int8": 1, "int4": 0.5}[quantization]
+    extra = {None: 0, "int8": 2 / h, "int4": 4 / group_size}[quantization]  # bf16 scales (and zeros)
+    return linear * (per_weight + extra)
+
+
+def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int) -> float:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * batch * (4 if dtype == "float32" else 2)
+
+
+def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    """Deterministic, distinct prompts of ordinary token ids (ids 0-2 are often special)."""
+    return [[(7 * k + 13 * b) % (vocab_size - 3) + 3 for k in range(prompt_len)] for b in range(batch)]
+
+
+def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
+             repeats: int) -> dict:
+    llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
+              kv_cache_memory=1 << 30)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, llm.engine.model_config.vocab_size)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    engine, rates = llm.engine, []
+    for _ in range(repeats):
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # the prefill (chunked prompts would need more; 128 x 8 fits one step)
+        steps, start = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        rates.append(steps / (time.perf_counter() - start))
+    return {"engine": "loom", "dtype": dtype, "quantization": quantization, "batch": batch,
+            "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
+            "all_steps_per_s": rates}
+
+
+def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompt_ids(batch, prompt_len, model.config.vocab_size))
+    mask = torch.ones_like(ids)
+    rates = []
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+            # decode time: the whole call less a prefill measured on its own
+            rates.append((max_tokens - 1) / max(time.perf_counter() - t - prefill, 1e-9))
+    return {"engine": "hf-transformers", "dtype": dtype, "batch": batch, "steps_per_s": statistics.median(rates),
+            "tok_per_s": statistics.median(rates) * batch, "all_steps_per_s": rates}
