@@ -119,3 +119,18 @@ def test_bad_options(hf_models):
         LLM(str(model_dir), quantization="int4", group_size=48)
     with pytest.raises(ValueError, match="unknown method"):
         LLM(str(model_dir), quantization="int3")
+
+
+def test_weights_from_an_unaligned_buffer(tmp_path):
+    """Checkpoint tensors can start at any byte; the int8 kernel needs aligned weights."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    linear = nn.Linear(64, 256, bias=False)
+    q, s = quantize_int8(linear.weight)
+    save_file({"pad": torch.zeros(7, dtype=torch.int8), "q": q, "s": s}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        layer = WeightOnlyLinear(64, 256, "int8", 32, None, crossover=10**6)
+        layer.load_quantized(f.get_tensor("q"), f.get_tensor("s"))
+    x = torch.randn(47, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer.weight_only(x).float(), x.float() @ dequantize_int8(q, s).t(), atol=0.05, rtol=0.02)

@@ -44,7 +44,10 @@ class WeightOnlyLinear(nn.Module):
 
     def load_quantized(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> None:
         """q: int8 [N, K] (int8) or values 0..15 as uint8 [N, K] (int4)."""
-        self.qweight, self.scales, self.zeros = q, scales.float(), None if zeros is None else zeros.float()
+        # A fresh copy: tensors read from a checkpoint can sit at any offset of the file's
+        # buffer, and torch's int8 kernel crashes on weights that are not 64-byte aligned.
+        self.qweight = q.clone(memory_format=torch.contiguous_format)
+        self.scales, self.zeros = scales.float(), None if zeros is None else zeros.float()
         if self.method == "int8":
             self._kernel_scales = self.scales.to(torch.bfloat16)
         else:
@@ -64,7 +67,16 @@ class WeightOnlyLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.dequantized().to(torch.bfloat16))
+        """Dequantize straight to bf16 (no fp32 copy of the matrix), then a bf16 GEMM."""
+        bf16 = torch.bfloat16
+        if self.method == "int8":
+            w = self.qweight.to(bf16) * self._kernel_scales[:, None]
+        else:
+            n, k = self.qweight.shape
+            sz = self._scales_zeros.transpose(0, 1)  # [N, K/g, 2]
+            w = ((self.qweight.view(n, k // self.group_size, self.group_size).to(bf16) - 8) * sz[..., :1]
+                 + sz[..., 1:]).view(n, k)
+        return torch.nn.functional.linear(x, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
