@@ -9,8 +9,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (JSON + PNG under docs/benchmarks/)")
     sub = bench.add_subparsers(dest="bench", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=None, help="model directory (default: the 134M random reference Llama)")
+    def common(p: argparse.ArgumentParser, default_model: str = "the 134M random reference Llama") -> None:
+        p.add_argument("--model", default=None, help=f"model directory (default: {default_model})")
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--out-dir", type=Path, default=None)
 
@@ -47,9 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lt.set_defaults(func=_latency)
 
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
-    q.add_argument("--model", default=None, help="model directory (default: the house model)")
-    q.add_argument("--threads", type=int, default=2)
-    q.add_argument("--out-dir", type=Path, default=None)
+    common(q, default_model="the house model")
     q.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "corpora"
                    / "tinyshakespeare.txt", help="the text the model was trained on (its last 10%% is held out)")
     q.add_argument("--needles", type=int, default=200, help="fresh needles per context length")
