@@ -39,10 +39,17 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.keys[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=self.keys[0].device)
-        for k, v in zip(self.keys, self.values):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        copy_blocks(pairs, self.keys, self.keys, self.values, self.values)
+
+
+def copy_blocks(pairs: list[tuple[int, int]], src_keys: list[torch.Tensor], dst_keys: list[torch.Tensor],
+                src_values: list[torch.Tensor], dst_values: list[torch.Tensor]) -> None:
+    """For each (src, dst) pair, block src of every source layer into block dst of its
+    destination layer; the pools may live on different devices (the swap tier)."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs])
+    dst = torch.tensor([d for _, d in pairs])
+    for sk, dk, sv, dv in zip(src_keys, dst_keys, src_values, dst_values):
+        dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
+        dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)

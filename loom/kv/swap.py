@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from loom.kv.cache import KVCache
+from loom.kv.cache import KVCache, copy_blocks
 
 
 class SwapSpace:
@@ -35,18 +35,8 @@ class SwapSpace:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copies pool block -> swap block for each (pool, swap) pair."""
-        self._copy(pairs, self.cache.keys, self.keys, self.cache.values, self.values)
+        copy_blocks(pairs, self.cache.keys, self.keys, self.cache.values, self.values)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copies swap block -> pool block for each (swap, pool) pair."""
-        self._copy(pairs, self.keys, self.cache.keys, self.values, self.cache.values)
-
-    @staticmethod
-    def _copy(pairs, src_k, dst_k, src_v, dst_v) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs])
-        dst = torch.tensor([d for _, d in pairs])
-        for sk, dk, sv, dv in zip(src_k, dst_k, src_v, dst_v):
-            dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
-            dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
+        copy_blocks(pairs, self.keys, self.cache.keys, self.values, self.cache.values)
