@@ -55,10 +55,10 @@ class WeightOnlyLinear(nn.Module):
             self._scales_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(
                 torch.bfloat16)  # [K/g, N, 2], the kernel's layout
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.method == "int8":
-            return dequantize_int8(self.qweight, self.scales)
-        return dequantize_int4(self.qweight, self.scales, self.zeros)
+            return dequantize_int8(self.qweight, self.scales, dtype)
+        return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed-weight kernel; x [M, K] bf16."""
@@ -68,15 +68,7 @@ class WeightOnlyLinear(nn.Module):
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize straight to bf16 (no fp32 copy of the matrix), then a bf16 GEMM."""
-        bf16 = torch.bfloat16
-        if self.method == "int8":
-            w = self.qweight.to(bf16) * self._kernel_scales[:, None]
-        else:
-            n, k = self.qweight.shape
-            sz = self._scales_zeros.transpose(0, 1)  # [N, K/g, 2]
-            w = ((self.qweight.view(n, k // self.group_size, self.group_size).to(bf16) - 8) * sz[..., :1]
-                 + sz[..., 1:]).view(n, k)
-        return torch.nn.functional.linear(x, w)
+        return torch.nn.functional.linear(x, self.dequantized(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -31,8 +31,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return q.to(dtype) * scale.to(dtype)[:, None]
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,10 +45,11 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q.reshape(n, k), scale, lo + 8 * scale
 
 
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n, k = q.shape
-    groups = q.reshape(n, scale.shape[1], -1).float()
-    return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+    groups = q.reshape(n, scale.shape[1], -1).to(dtype)
+    return ((groups - 8) * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).reshape(n, k)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
