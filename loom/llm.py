@@ -73,25 +73,28 @@ class LLM:
                 order[self.engine.add_request(prompt, p)] = i
             except ValueError as e:
                 errors[i] = e
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            self._run(order, results, use_tqdm)
-        except BaseException:
-            for request_id in order:  # leave the engine clean for the next call
-                self.engine.abort_request(request_id)
-            raise
+        results = self._run(order, len(prompts), use_tqdm)
         if errors:
             raise InvalidRequestsError(errors, results)
         return results  # type: ignore[return-value]
 
-    def _run(self, order: dict[str, int], results: list[RequestOutput | None], use_tqdm: bool) -> None:
+    def _run(self, order: dict[str, int], size: int, use_tqdm: bool) -> list[RequestOutput | None]:
+        """Steps the engine until the queued requests finish; their results in `order`'s
+        positions (None where nothing was queued). On any exception, aborts them first."""
+        results: list[RequestOutput | None] = [None] * size
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm or len(order) < 2)
-        with bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+        try:
+            with bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            for request_id in order:  # leave the engine clean for the next call
+                self.engine.abort_request(request_id)
+            raise
+        return results
 
     def beam_search(self, prompts: Prompt | SequenceABC[Prompt], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False,
@@ -103,14 +106,7 @@ class LLM:
             prompts = [prompts]
         order = {self.engine.add_beam_request(p, beam_width, max_tokens, length_penalty, ignore_eos): i
                  for i, p in enumerate(prompts)}
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            self._run(order, results, use_tqdm)
-        except BaseException:
-            for request_id in order:
-                self.engine.abort_request(request_id)
-            raise
-        return results  # type: ignore[return-value]
+        return self._run(order, len(prompts), use_tqdm)  # type: ignore[return-value]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -178,12 +178,10 @@ class LLMEngine:
         `beam_width` hypotheses, best first."""
         if beam_width < 1:
             raise ValueError(f"beam_width: must be >= 1, got {beam_width}")
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        _, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
         if 2 * beam_width > self.model_config.vocab_size:
             raise ValueError(f"beam_width: {beam_width} needs 2 x {beam_width} candidate tokens, more than the vocabulary")
-        request_id = self.add_request(prompt, params, request_id)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        request_id = self.add_request(prompt, params, request_id)  # validates the prompt
         request = self._requests[request_id]
         eos = set() if ignore_eos else set(self.eos_token_ids)
         request.beam = BeamState(beam_width, max_tokens, length_penalty, eos)
