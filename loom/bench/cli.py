@@ -256,17 +256,15 @@ def _latency(args: argparse.Namespace) -> None:
     for dtype, quant, gguf_type in LATENCY_VARIANTS:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
-            step_bytes = latency.weight_bytes(cfg, dtype, quant) + latency.kv_bytes(
-                cfg, dtype, args.prompt_len + args.max_tokens // 2, batch)
-            r["mbu"] = step_bytes * r["steps_per_s"] / peak
+            r["mbu"] = latency.mbu(cfg, dtype, quant, batch, args.prompt_len + args.max_tokens // 2,
+                                   r["steps_per_s"], peak)
             rows.append(r)
             print(f"loom {dtype} {quant or ''} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
         if quant is None:
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
-                step_bytes = latency.weight_bytes(cfg, dtype, None) + latency.kv_bytes(
-                    cfg, dtype, args.prompt_len + args.max_tokens // 2, batch)
-                r["mbu"] = step_bytes * r["steps_per_s"] / peak
+                r["mbu"] = latency.mbu(cfg, dtype, None, batch, args.prompt_len + args.max_tokens // 2,
+                                       r["steps_per_s"], peak)
                 rows.append(r)
                 print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
         if not args.no_llamacpp:

@@ -43,6 +43,13 @@ def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int) -> float:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * batch * (4 if dtype == "float32" else 2)
 
 
+def mbu(cfg: ModelConfig, dtype: str, quantization: str | None, batch: int, mean_context: int,
+        steps_per_s: float, peak_bytes_per_s: float) -> float:
+    """Achieved share of the peak: bytes one decode step reads x steps per second / peak."""
+    step_bytes = weight_bytes(cfg, dtype, quantization) + kv_bytes(cfg, dtype, mean_context, batch)
+    return step_bytes * steps_per_s / peak_bytes_per_s
+
+
 def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
     """Deterministic, distinct prompts of ordinary token ids (ids 0-2 are often special)."""
     return [[(7 * k + 13 * b) % (vocab_size - 3) + 3 for k in range(prompt_len)] for b in range(batch)]
