@@ -94,3 +94,11 @@ class EngineConfig:
     pack_linear_weights: bool = True  # oneDNN-packed weights on CPU (see loom/layers/linear.py)
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
     group_size: int = 32             # int4 group size
+    # Run every step eagerly. Otherwise decode-only steps (CPU, C++ attention) go through a
+    # torch.compile'd forward: small ops fused, little Python per step. None: the value of the
+    # environment variable LOOM_ENFORCE_EAGER ("1" = eager), else False.
+    enforce_eager: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.enforce_eager is None:
+            self.enforce_eager = os.environ.get("LOOM_ENFORCE_EAGER", "0") == "1"

@@ -1,15 +1,19 @@
 """Shared fixtures: small random-weight Hugging Face checkpoints saved with save_pretrained."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+# Engines run eagerly unless a test asks for the compiled decode path (test_compiled_decode.py):
+# compiling costs seconds per model shape, which dozens of tiny test models would multiply.
+os.environ.setdefault("LOOM_ENFORCE_EAGER", "1")
 
 # name -> (transformers config class, kwargs); all tiny, fp32
 MODEL_SPECS = {

@@ -5,8 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loom.kernels import load_kernels
 from loom.kv.attention import AttentionMetadata, PrefillSegment, paged_attention, paged_decode_attention
 from loom.kv.cache import KVCache
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels():
+    load_kernels()  # the engine does this at start; these tests call the kernels directly
 
 
 def dense_attention(q, k, v, causal_offset: int | None = None):
@@ -59,14 +65,13 @@ def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, block_size, back
 
 
 def test_decode_kernel_returns_log_sum_exp():
-    from loom.kv.attention import load_kernels
-
     g = torch.Generator().manual_seed(0)
     cache = KVCache(1, 16, 2, 16, 16, torch.float32, "cpu")
     tables, ks, _ = fill_cache(cache, 0, [37], 2, 16, torch.float32, g)
     q = torch.randn(1, 4, 16, generator=g)
-    _, lse = load_kernels().paged_decode_attention(q, cache.keys[0], cache.values[0], torch.tensor([tables[0]], dtype=torch.int32),
-                                               torch.tensor([37], dtype=torch.int32), 0.25)
+    _, lse = torch.ops.loom.paged_decode_attention(q, cache.keys[0], cache.values[0],
+                                                   torch.tensor([tables[0]], dtype=torch.int32),
+                                                   torch.tensor([37], dtype=torch.int32), 0.25)
     k = ks[0].repeat_interleave(2, 1)  # [L, H, D]
     ref = (torch.einsum("hd,lhd->hl", q[0], k) * 0.25).logsumexp(-1)
     torch.testing.assert_close(lse[0], ref, atol=1e-5, rtol=1e-5)

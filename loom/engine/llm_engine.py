@@ -17,7 +17,8 @@ from loom.engine.block_manager import BlockManager
 from loom.engine.model_runner import ModelRunner
 from loom.engine.scheduler import Scheduler
 from loom.engine.sequence import Request, Sequence, SequenceStatus
-from loom.kv.attention import ATTENTION_BACKENDS, load_kernels
+from loom.kernels import load_kernels
+from loom.kv.attention import ATTENTION_BACKENDS
 from loom.kv.cache import KVCache, kv_bytes_per_block
 from loom.kv.swap import SwapSpace
 from loom.layers.linear import can_pack, pack_linears
@@ -69,8 +70,11 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # Compiling needs every op of a decode step to be traceable: the C++ attention is, the
+        # reference attention (a Python loop over sequences) is not.
+        compile_decode = not config.enforce_eager and self.model.attention_backend == "cpp"
         self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device,
-                                  self.eos_token_ids, self.swap_space)
+                                  self.eos_token_ids, self.swap_space, compile_decode)
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}
 

@@ -31,9 +31,19 @@ class SeqStepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, sampler: Sampler, device: torch.device,
-                 eos_token_ids: set[int], swap_space: SwapSpace | None = None) -> None:
+                 eos_token_ids: set[int], swap_space: SwapSpace | None = None, compile_decode: bool = False) -> None:
         self.model, self.cache, self.sampler, self.device = model, cache, sampler, device
         self.swap_space = swap_space
+        # Decode-only steps are the many small ones, where per-op overhead rivals the weight
+        # reads: compiled graphs, dynamic in batch size and context, serve them all (one for
+        # batch 1, one for the rest). Rounding as eager does keeps bf16 outputs identical.
+        self.decode_forward = None
+        if compile_decode:
+            # Every engine adds its graphs to the one code object (LlamaForCausalLM.forward);
+            # Dynamo's default limit of 8 would stop a process that builds a few engines.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.decode_forward = torch.compile(model.forward, dynamic=True, fullgraph=True,
+                                                options={"emulate_precision_casts": True})
         self.block_size = cache.block_size
         self.eos_token_ids = eos_token_ids
 
@@ -92,7 +102,12 @@ class ModelRunner:
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.cache, meta)
+        if self.decode_forward is not None and not prefills:
+            # The table width is any size, 1 included: no specialization on its value.
+            torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
+            hidden = self.decode_forward(ids, pos, self.cache, meta)
+        else:
+            hidden = self.model(ids, pos, self.cache, meta)
         outputs = [SeqStepOutput() for _ in batch.seqs]
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

@@ -7,9 +7,7 @@ prefix plus itself.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,28 +34,12 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
-@functools.cache
-def load_kernels():
-    """Builds (once per machine, then cached on disk) and loads the C++ decode kernel."""
-    from torch.utils.cpp_extension import load
-
-    source = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-    try:
-        return load(name="loom_paged_attention", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
-    except Exception as e:  # the message names the missing compiler or header
-        raise RuntimeError(
-            f"could not build Loom's C++ attention kernel ({e}); install a C++ compiler and ninja, "
-            "or choose attention_backend='torch'"
-        ) from e
-
-
 def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
     if backend == "cpp":
-        out, _lse = load_kernels().paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
-                                                      block_tables, context_lens, scale)
+        out, _lse = torch.ops.loom.paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+                                                          block_tables, context_lens, scale)
         return out
     return _decode_reference(q, cache, layer, block_tables, context_lens, scale)
 

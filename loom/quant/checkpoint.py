@@ -39,10 +39,11 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, method: str, gr
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, WeightOnlyLinear):
-            tensors[f"{name}.qweight"] = pack_int4(module.qweight) if method == "int4" else module.qweight
-            tensors[f"{name}.scales"] = module.scales
-            if module.zeros is not None:
-                tensors[f"{name}.zeros"] = module.zeros
+            q, scales, zeros = module.portable()
+            tensors[f"{name}.qweight"] = pack_int4(q) if method == "int4" else q
+            tensors[f"{name}.scales"] = scales
+            if zeros is not None:
+                tensors[f"{name}.zeros"] = zeros
             if module.bias is not None:
                 tensors[f"{name}.bias"] = module.bias
     for name, param in model.named_parameters():

@@ -1,17 +1,20 @@
 """Weight-only quantized linear layers, swapped in for nn.Linear.
 
-The kernel is chosen per call by the number of tokens: torch's weight-only int8/int4 kernels
-read the compressed weights and win while the step is small (decode); past the measured
-crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary GEMM, which wins on
-large batches and prefill. Both paths take bf16 activations (the weight-only CPU kernels are
-only fast with bf16) and return the caller's dtype.
+The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
+(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/weight_only.cpp) read the compressed
+weights and win while the step is small (decode); past the measured crossover (dispatch.py)
+the layer dequantizes to bf16 and runs an ordinary GEMM, which wins on large batches and
+prefill. The layer keeps only the kernel's form of the weights; `portable()` gives back the
+checkpoint form.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loom.quant.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from loom.kernels import load_kernels
+from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_int4_for_kernel, quantize_int4,
+                                 quantize_int8, unpack_int4_from_kernel)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -21,13 +24,11 @@ class WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size, self.crossover = method, group_size, crossover
         self.bias = bias
-        # Portable (checkpoint) form, set by `load_quantized`; the kernel form is derived from it.
-        self.qweight: torch.Tensor | None = None
+        # Set by `load_quantized`. int8: q [N, K] int8, scales [N] fp32. int4: q in the
+        # kernel's packed layout, scales and zeros [N, K/G] bf16.
+        self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
-        self._kernel_scales: torch.Tensor | None = None   # int8: bf16 scales
-        self._packed: torch.Tensor | None = None          # int4: the CPU kernel's packed weight
-        self._scales_zeros: torch.Tensor | None = None    # int4: [K/g, N, 2] bf16
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int, crossover: int) -> "WeightOnlyLinear":
@@ -35,48 +36,52 @@ class WeightOnlyLinear(nn.Module):
                     None if linear.bias is None else linear.bias.detach(), crossover)
         w = linear.weight.detach()
         if method == "int8":
-            q, scale = quantize_int8(w)
-            layer.load_quantized(q, scale)
+            layer.load_quantized(*quantize_int8(w))
         else:
-            q, scale, zero = quantize_int4(w, group_size)
-            layer.load_quantized(q, scale, zero)
+            layer.load_quantized(*quantize_int4(w, group_size))
         return layer
 
     def load_quantized(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> None:
-        """q: int8 [N, K] (int8) or values 0..15 as uint8 [N, K] (int4)."""
-        # A fresh copy: tensors read from a checkpoint can sit at any offset of the file's
-        # buffer, and torch's int8 kernel crashes on weights that are not 64-byte aligned.
-        self.qweight = q.clone(memory_format=torch.contiguous_format)
-        self.scales, self.zeros = scales.float(), None if zeros is None else zeros.float()
+        """The portable form: int8 q [N, K] with fp32 scales [N]; or int4 values 0..15 as
+        uint8 [N, K] with scales and zeros [N, K/G]."""
+        load_kernels()
         if self.method == "int8":
-            self._kernel_scales = self.scales.to(torch.bfloat16)
+            # A fresh, aligned copy: tensors read from a checkpoint can sit at any offset of its buffer.
+            self.q = q.clone(memory_format=torch.contiguous_format)
+            self.scales = scales.float().contiguous()
         else:
-            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            self._scales_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(
-                torch.bfloat16)  # [K/g, N, 2], the kernel's layout
+            self.q = pack_int4_for_kernel(q)
+            # bf16, as the kernel reads them (torch's int4 kernel makes the same choice).
+            self.scales, self.zeros = scales.to(torch.bfloat16).contiguous(), zeros.to(torch.bfloat16).contiguous()
+
+    def portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scales, zeros) as `load_quantized` takes them: what a checkpoint stores."""
+        if self.method == "int8":
+            return self.q, self.scales, None
+        return unpack_int4_from_kernel(self.q, self.in_features), self.scales.float(), self.zeros.float()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.method == "int8":
-            return dequantize_int8(self.qweight, self.scales, dtype)
-        return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+            return dequantize_int8(self.q, self.scales, dtype)
+        return dequantize_int4(unpack_int4_from_kernel(self.q, self.in_features), self.scales, self.zeros, dtype)
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        """The compressed-weight kernel; x [M, K] bf16."""
+        """The compressed-weight kernel; x [M, K] -> [M, N] in x's dtype."""
         if self.method == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._kernel_scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, self._scales_zeros)
+            return torch.ops.loom.int8_linear(x, self.q, self.scales)
+        return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size)
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize straight to bf16 (no fp32 copy of the matrix), then a bf16 GEMM."""
-        return torch.nn.functional.linear(x, self.dequantized(torch.bfloat16))
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features)
         out = self.weight_only(x2) if x2.shape[0] <= self.crossover else self.dequantized_gemm(x2)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.to(x.dtype).view(*shape[:-1], self.out_features)
+        return out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "

@@ -2,8 +2,9 @@
 
 int8: symmetric absmax per output channel, w ~= q * scale, q in [-127, 127].
 int4: asymmetric min-max per group of `group_size` inputs, w ~= (q - 8) * scale + zero with
-q in [0, 15] (the convention of torch's int4 CPU kernel, so no conversion is needed there).
-On disk int4 values are two per byte, the even input index in the low nibble.
+q in [0, 15] (the convention of torch's int4 CPU kernel).
+On disk int4 values are two per byte, the even input index in the low nibble; in memory they
+take the layout of Loom's int4 kernel (`pack_int4_for_kernel`).
 """
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     low, high = packed & 0x0F, packed >> 4
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, Kp/2] bytes in the layout of `loom::int4_linear`
+    (csrc/weight_only.cpp): K padded to Kp, a multiple of 128; in each 128-weight block,
+    nibble e of 16-bit word i holds weight 32e + i."""
+    n, k = q.shape
+    kp = -(-k // 128) * 128
+    padded = torch.zeros(n, kp, dtype=torch.int32)
+    padded[:, :k] = q
+    e = padded.view(n, kp // 128, 4, 32)
+    words = e[:, :, 0] | (e[:, :, 1] << 4) | (e[:, :, 2] << 8) | (e[:, :, 3] << 12)
+    return words.to(torch.int16).contiguous().view(torch.uint8).reshape(n, kp // 2)
+
+
+def unpack_int4_from_kernel(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4_for_kernel`: [N, Kp/2] bytes -> [N, K] values 0..15 (uint8)."""
+    n = packed.shape[0]
+    words = packed.contiguous().view(torch.int16).view(n, -1, 1, 32).int() & 0xFFFF
+    nibbles = (words >> torch.tensor([0, 4, 8, 12]).view(1, 1, 4, 1)) & 0x0F
+    return nibbles.reshape(n, -1)[:, :k].to(torch.uint8)

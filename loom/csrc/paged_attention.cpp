@@ -6,7 +6,9 @@
 // attention outputs with it).
 //
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -126,21 +128,21 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
 // v_cache [num_blocks, KVH, block_size, D]; block_tables [B, max_blocks]
 // int32; context_lens [B] int32 (each >= 1). Returns (out [B, H, D], lse [B, H] float32).
-std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                                  torch::Tensor v_cache, torch::Tensor block_tables,
-                                                  torch::Tensor context_lens, double scale) {
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                                                          const at::Tensor& context_lens_in, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32, "int32 tables");
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
+  TORCH_CHECK(block_tables_in.scalar_type() == at::kInt && context_lens_in.scalar_type() == at::kInt, "int32 tables");
+  const at::Tensor block_tables = block_tables_in.contiguous();
+  const at::Tensor context_lens = context_lens_in.contiguous();
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(3);
   TORCH_CHECK(k_cache.size(1) == num_kv_heads && k_cache.size(2) == head_dim && k_cache.size(3) == block_size &&
                   v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "cache shapes");
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({batch, num_heads}, q.options().dtype(torch::kFloat32));
+  auto out = at::empty_like(q);
+  auto lse = at::empty({batch, num_heads}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto block_size_tag) {
       constexpr int BS = decltype(block_size_tag)::value;
@@ -159,6 +161,9 @@ std::vector<torch::Tensor> paged_decode_attention(torch::Tensor q, torch::Tensor
   return {out, lse};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool");
+TORCH_LIBRARY_FRAGMENT(loom, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> (Tensor, Tensor)");
 }
+
+TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

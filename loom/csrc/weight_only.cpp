@@ -1,0 +1,218 @@
+// Weight-only int8 / int4 matmuls for the small-batch (decode) case: y = x W^T with W kept
+// compressed in memory and widened in registers, so each weight byte is read once per step and
+// memory bandwidth, not arithmetic, sets the speed.
+//
+// Layouts (built by loom/quant/linear.py from the portable checkpoint form):
+//   int8: q [N, K] int8, scale [N] fp32; w[n, k] = q[n, k] * scale[n]; fp32 FMAs.
+//   int4: q [N, Kp/2] uint8, Kp = K rounded up to 128 (the padding is never read as weights):
+//         in each 64-byte block (128 weights), nibble e (bits 4e..4e+3) of little-endian 16-bit
+//         word i holds weight 32e + i. scale, zero [N, K/G] bf16 with
+//         w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k / G (torch's int4
+//         convention); bf16 dot products (AVX512-BF16) of exactly converted weights with bf16
+//         activations, accumulated in fp32.
+// Rows of W are split across threads; every thread keeps x (a few KiB) in cache. Without
+// AVX-512 the same layouts run through plain loops (correct, slow).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 4;  // rows of x handled together, sharing each widened weight vector
+
+inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
+
+// One output row n for rows m0..m0+MT of x: out[m] = sum_k x[m, k] w[n, k] (before scaling).
+template <int MT>
+inline void int8_row(const float* x, int64_t K, const int8_t* q, float* out) {
+  int64_t k = 0;
+#ifdef __AVX512F__
+  constexpr int U = MT >= 4 ? 2 : 4 / MT;  // independent FMA chains per row of x, to hide latency
+  __m512 acc[MT][U];
+  for (int m = 0; m < MT; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  for (; k + 16 * U <= K; k += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16 * u))));
+      for (int m = 0; m < MT; ++m) acc[m][u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
+    out[m] = _mm512_reduce_add_ps(acc[m][0]);
+  }
+#else
+  for (int m = 0; m < MT; ++m) out[m] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < MT; ++m) out[m] += x[m * K + k] * static_cast<float>(q[k]);
+}
+
+// One int4 weight as a float, read from the kernel layout (the slow paths and the tail).
+inline float int4_at(const uint8_t* q, int64_t k) {
+  const uint16_t word = reinterpret_cast<const uint16_t*>(q + (k / 128) * 64)[k % 32];
+  return static_cast<float>((word >> (4 * ((k % 128) / 32))) & 0x0F);
+}
+
+// int4, one output row for rows m0..m0+MT of x, given as zero-padded bf16 [MT, Kp]: per group
+// g, scale[g] * sum x * (128 + q) + (zero[g] - 136 scale[g]) * sum x, which is sum x * w.
+// GC = group size / 32.
+template <int MT, int GC>
+inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q, const uint16_t* scale,
+                     const uint16_t* zero, const float* xsum, float* out) {
+  constexpr int64_t G = 32 * GC, groups_per_block = 4 / GC;
+  const int64_t groups = K / G, full_blocks = K / 128;
+  for (int m = 0; m < MT; ++m) out[m] = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  // Nibble e of 16-bit word i of a 64-byte block is weight 32e + i of that block: shifting the
+  // words by 4e and keeping 4 bits yields 32 consecutive weights, no shuffles. OR-ing 0x4300
+  // into a word holding n in 0..15 makes the bf16 number 128 + n exactly.
+  const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  __m512 total[MT][groups_per_block];  // independent chains, one per group of a block
+  for (int m = 0; m < MT; ++m)
+    for (int t = 0; t < groups_per_block; ++t) total[m][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < full_blocks; ++b) {
+    const __m512i block = _mm512_loadu_si512(q + b * 64);
+    __m512 acc[MT][groups_per_block];
+    for (int m = 0; m < MT; ++m)
+      for (int t = 0; t < groups_per_block; ++t) acc[m][t] = _mm512_setzero_ps();
+    for (int e = 0; e < 4; ++e) {  // constant trip counts: unrolled, everything in registers
+      const __m512i words = _mm512_srli_epi16(block, 4 * e);
+      const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, bf16_128, 0xEA);  // (a & b) | c
+      for (int m = 0; m < MT; ++m)
+        acc[m][e / GC] = _mm512_dpbf16_ps(acc[m][e / GC], w, (__m512bh)_mm512_loadu_si512(xb + m * Kp + b * 128 + 32 * e));
+    }
+    for (int t = 0; t < groups_per_block; ++t) {
+      const __m512 sg = _mm512_set1_ps(bf16_to_float(scale[b * groups_per_block + t]));
+      for (int m = 0; m < MT; ++m) total[m][t] = _mm512_fmadd_ps(acc[m][t], sg, total[m][t]);
+    }
+  }
+  for (int64_t g = 0; g < groups; g += 16) {  // the offsets' share: sum_g offset[g] * xsum[m, g]
+    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - g)) - 1);
+    auto widen = [&](const uint16_t* p) {  // 16 bf16 -> fp32
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p + g)), 16));
+    };
+    const __m512 o = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), widen(scale), widen(zero));
+    for (int m = 0; m < MT; ++m)
+      total[m][0] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, xsum + m * groups + g), total[m][0]);
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int t = 1; t < groups_per_block; ++t) total[m][0] = _mm512_add_ps(total[m][0], total[m][t]);
+    out[m] = _mm512_reduce_add_ps(total[m][0]);
+  }
+  const int64_t first_slow_group = full_blocks * groups_per_block;
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int64_t g = 0; g < groups; ++g)
+      out[m] += (bf16_to_float(zero[g]) - 136.f * bf16_to_float(scale[g])) * xsum[m * groups + g];
+  const int64_t first_slow_group = 0;
+#endif
+  for (int m = 0; m < MT; ++m)
+    for (int64_t g = first_slow_group; g < groups; ++g) {
+      float acc = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) acc += bf16_to_float(xb[m * Kp + k]) * (128.f + int4_at(q, k));
+      out[m] += acc * bf16_to_float(scale[g]);
+    }
+}
+
+template <typename F>
+inline void dispatch_tile(int64_t mt, F f) {
+  switch (mt) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// y [M, N] in the dtype of `options`, y[m, n] from row_fn(tile of up to kTile rows of x
+// starting at m0, n); the rows of W are split across threads in runs long enough to stream.
+template <typename RowFn>
+at::Tensor run_rows(int64_t M, int64_t N, const at::TensorOptions& options, RowFn row_fn) {
+  at::Tensor y = at::empty({M, N}, options.dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    float vals[kTile];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int64_t mt = std::min(kTile, M - m0);
+        dispatch_tile(mt, [&](auto tag) { row_fn(tag, m0, n, vals); });
+        for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = vals[m];
+      }
+  });
+  return options.dtype() == at::kFloat ? y : y.to(options.dtype());
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "int8_linear: x [M, K], q [N, K]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "int8_linear: q must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == q.size(0),
+              "int8_linear: scale [N] fp32");
+  const int64_t K = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  return run_rows(x.size(0), q.size(0), x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+    constexpr int MT = decltype(tile)::value;
+    int8_row<MT>(xp + m0 * K, K, qp + n * K, vals);
+    for (int m = 0; m < MT; ++m) vals[m] *= sp[n];
+  });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero,
+                       int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2, "int4_linear: x [M, K], q [N, Kp/2]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), Kp = (K + 127) / 128 * 128;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) * 2 == Kp,
+              "int4_linear: q must be contiguous uint8 [N, Kp/2], Kp = K rounded up to 128");
+  TORCH_CHECK((group_size == 32 || group_size == 64 || group_size == 128) && K % group_size == 0,
+              "int4_linear: group size must be 32, 64 or 128 and divide K");
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  zero.is_contiguous() && scale.numel() == N * groups && zero.numel() == N * groups,
+              "int4_linear: scale and zero [N, K/G] bf16");
+  // x as the kernel reads it (bf16, zero-padded to Kp), and each group's sum of those values.
+  at::Tensor xb = at::zeros({M, Kp}, x.options().dtype(at::kBFloat16));
+  xb.narrow(1, 0, K).copy_(x);
+  const at::Tensor xsum = xb.narrow(1, 0, K).to(at::kFloat).reshape({M, groups, group_size}).sum(-1).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  return run_rows(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+    constexpr int MT = decltype(tile)::value;
+    auto row = [&](auto row_fn) {
+      row_fn(xp + m0 * Kp, Kp, K, qp + n * (Kp / 2), sp + n * groups, zp + n * groups, xs + m0 * groups, vals);
+    };
+    switch (group_size) {
+      case 32: row(int4_row<MT, 1>); break;
+      case 64: row(int4_row<MT, 2>); break;
+      case 128: row(int4_row<MT, 4>); break;
+      default: TORCH_CHECK(false, "int4_linear: group size must be 32, 64 or 128, got ", group_size);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loom, m) {
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor zero, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loom, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+}

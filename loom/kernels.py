@@ -1,0 +1,52 @@
+"""Loom's C++ CPU kernels, registered as torch operators (`torch.ops.loom.*`).
+
+Built once per machine by torch's cpp_extension (cached on disk, rebuilt when a source
+changes) with -march=native. Being real operators, with shape-only "fake" versions below,
+they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no Python.
+  paged_decode_attention  decode attention over the paged KV pool (csrc/paged_attention.cpp)
+  int8_linear, int4_linear  weight-only matmuls for small batches (csrc/weight_only.cpp)
+  packed_linear           oneDNN's linear over a prepacked weight, for compiled graphs (csrc/packed_linear.cpp)
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+SOURCES = ("paged_attention.cpp", "weight_only.cpp", "packed_linear.cpp")
+
+
+@functools.cache
+def load_kernels() -> None:
+    """Builds or loads the kernels; afterwards `torch.ops.loom.<name>` exist."""
+    from torch.utils.cpp_extension import load
+
+    csrc = Path(__file__).with_name("csrc")
+    try:
+        load(name="loom_kernels", sources=[str(csrc / s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+    except Exception as e:  # the message names the missing compiler or header
+        raise RuntimeError(
+            f"could not build Loom's C++ kernels ({e}); install a C++ compiler and ninja, "
+            "or run with attention_backend='torch' and without quantization"
+        ) from e
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("loom::paged_decode_attention")
+    def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("loom::int8_linear")
+    def _(x, q, scale):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("loom::int4_linear")
+    def _(x, q, scale, zero, group_size):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("loom::packed_linear")
+    def _(x, weight, bias, out_features):
+        return x.new_empty(x.shape[0], out_features)

@@ -1,0 +1,37 @@
+"""The compiled decode path (torch.compile of decode-only steps) against eager execution.
+
+One engine per case, each generating for prompts of different lengths and budgets, so the
+compiled graph sees batch sizes shrink and contexts cross block boundaries (dynamic shapes)."""
+from __future__ import annotations
+
+import pytest
+
+from loom import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
+           {"prompt_token_ids": [7] * 3}]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
+
+
+def run(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), enforce_eager=enforce_eager, **kwargs)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="int4"),
+                                    dict(dtype="float32", quantization="int8")],
+                         ids=["fp32", "bf16-int4", "fp32-int8"])
+def test_compiled_decode_matches_eager(hf_models, kwargs):
+    model_dir, _ = hf_models("llama_gqa")
+    eager, _ = run(model_dir, True, **kwargs)
+    compiled, llm = run(model_dir, False, **kwargs)
+    assert llm.engine.runner.decode_forward is not None
+    assert compiled == eager
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_reference_attention_runs_eagerly(hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    llm = LLM(str(model_dir), enforce_eager=False, attention_backend="torch")
+    assert llm.engine.runner.decode_forward is None
