@@ -5,6 +5,7 @@ changes) with -march=native. Being real operators, with shape-only "fake" versio
 they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no Python.
   paged_decode_attention  decode attention over the paged KV pool (csrc/paged_attention.cpp)
   int8_linear, int4_linear  weight-only matmuls for small batches (csrc/weight_only.cpp)
+  int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large batches
   packed_linear           oneDNN's linear over a prepacked weight, for compiled graphs (csrc/packed_linear.cpp)
 """
 from __future__ import annotations
@@ -46,6 +47,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::int4_linear")
     def _(x, q, scale, zero, group_size):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("loom::int8_dequantize")
+    def _(q, scale):
+        return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+    @torch.library.register_fake("loom::int4_dequantize")
+    def _(q, scale, zero, group_size, in_features):
+        return q.new_empty(q.shape[0], in_features, dtype=torch.bfloat16)
 
     @torch.library.register_fake("loom::packed_linear")
     def _(x, weight, bias, out_features):

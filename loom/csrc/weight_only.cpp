@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -205,14 +204,65 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   });
 }
 
+// The whole matrix in bf16, for the large-batch path (a bf16 GEMM on the result): rows split
+// across threads, plain loops the compiler vectorizes.
+at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_dequantize: q [N, K] int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == q.size(0),
+              "int8_dequantize: scale [N] fp32");
+  const int64_t N = q.size(0), K = q.size(1);
+  at::Tensor w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) wp[n * K + k] = static_cast<at::BFloat16>(qp[n * K + k] * sp[n]);
+  });
+  return w;
+}
+
+at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
+                           int64_t K) {
+  const int64_t N = q.size(0), Kp = (K + 127) / 128 * 128, groups = K / group_size;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && q.size(1) * 2 == Kp,
+              "int4_dequantize: q [N, Kp/2] uint8 in the kernel layout");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  zero.is_contiguous() && scale.numel() == N * groups && zero.numel() == N * groups,
+              "int4_dequantize: scale and zero [N, K/G] bf16");
+  at::Tensor w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* words = reinterpret_cast<const uint16_t*>(qp + n * (Kp / 2));
+      for (int64_t c = 0; c < K / 32; ++c) {  // a chunk of 32 weights lies in one group
+        const int64_t g = n * groups + c * 32 / group_size;
+        const float s = bf16_to_float(sp[g]), z = bf16_to_float(zp[g]) - 8.f * s;
+        const uint16_t* cw = words + (c / 4) * 32;
+        const int shift = 4 * static_cast<int>(c % 4);
+        at::BFloat16* out = wp + n * K + c * 32;
+        for (int i = 0; i < 32; ++i) out[i] = static_cast<at::BFloat16>(static_cast<float>((cw[i] >> shift) & 0x0F) * s + z);
+      }
+    }
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor zero, int group_size) -> Tensor");
+  m.def("int8_dequantize(Tensor q, Tensor scale) -> Tensor");
+  m.def("int4_dequantize(Tensor q, Tensor scale, Tensor zero, int group_size, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_dequantize", &int8_dequantize);
+  m.impl("int4_dequantize", &int4_dequantize);
 }

@@ -30,12 +30,26 @@ def load_crossover(method: str) -> int:
 def calibrate(tokens: list[int], in_features: int = 4096, out_features: int = 4096, group_size: int = 32,
               repeats: int = 5) -> dict:
     """Times both kernels of each method at each token count (medians, interleaved); the
-    crossover is the largest count up to which the weight-only kernel is always faster."""
+    crossover is the largest count up to which the weight-only kernel is always faster. The
+    unquantized bf16 layer is timed too, as the reference both should approach."""
+    from loom.layers.linear import PackedLinear, can_pack
     from loom.quant.linear import WeightOnlyLinear
 
     base = torch.nn.Linear(in_features, out_features, bias=False)
     result: dict = {"in_features": in_features, "out_features": out_features, "group_size": group_size,
                     "threads": torch.get_num_threads(), "tokens": tokens, "ms": {}, "crossover": {}}
+    bf16 = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    reference = PackedLinear(bf16) if can_pack(torch.device("cpu")) else bf16
+    result["ms"]["bf16"] = []
+    for m in tokens:
+        x = torch.randn(m, in_features, dtype=torch.bfloat16)
+        reference(x)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            reference(x)
+            samples.append(time.perf_counter() - start)
+        result["ms"]["bf16"].append(statistics.median(samples) * 1e3)
     for method in ("int8", "int4"):
         layer = WeightOnlyLinear.from_linear(base, method, group_size, crossover=0)
         times: dict[str, list[float]] = {"weight_only": [], "dequantized_bf16": []}
@@ -81,6 +95,7 @@ def plot_calibration(result: dict, path: Path) -> None:
             ax.plot(result["tokens"], result["ms"][method][kernel], style, color=color, marker="o",
                     label=f"{method} {kernel.replace('_', ' ')}")
         ax.axvline(result["crossover"][method] + 0.5, linestyle=style, color="gray", linewidth=0.8)
+    ax.plot(result["tokens"], result["ms"]["bf16"], ":", color="black", marker=".", label="bf16 weights (reference)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens in the step (M)")

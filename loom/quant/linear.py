@@ -61,6 +61,7 @@ class WeightOnlyLinear(nn.Module):
         return unpack_int4_from_kernel(self.q, self.in_features), self.scales.float(), self.zeros.float()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight matrix [N, K] as the kernels see it (plain PyTorch: the reference)."""
         if self.method == "int8":
             return dequantize_int8(self.q, self.scales, dtype)
         return dequantize_int4(unpack_int4_from_kernel(self.q, self.in_features), self.scales, self.zeros, dtype)
@@ -72,8 +73,12 @@ class WeightOnlyLinear(nn.Module):
         return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size)
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize straight to bf16 (no fp32 copy of the matrix), then a bf16 GEMM."""
-        return torch.nn.functional.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
+        """Dequantize straight to bf16 (C++, no fp32 copy of the matrix), then a bf16 GEMM."""
+        if self.method == "int8":
+            w = torch.ops.loom.int8_dequantize(self.q, self.scales)
+        else:
+            w = torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features)
+        return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
