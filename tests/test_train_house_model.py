@@ -190,3 +190,22 @@ def test_training_is_deterministic(tiny_run: Path, tmp_path: Path) -> None:
                    check=True, cwd=REPO, capture_output=True, timeout=120)
     assert (again / "model.safetensors").read_bytes() == (tiny_run / "model.safetensors").read_bytes()
     assert (again / "tokenizer.json").read_bytes() == (tiny_run / "tokenizer.json").read_bytes()
+
+
+@pytestmark_corpus
+def test_a_second_phase_continues_from_the_first(tiny_run: Path, tmp_path: Path) -> None:
+    """--init starts from an earlier run's weights (with a zero learning rate they come out
+    unchanged); the README lists both commands in order."""
+    phase2 = tmp_path / "phase2"
+    args = [*TINY_ARGS[:TINY_ARGS.index("--steps")], "--steps", "4", "--curriculum", "256:1:1", "--eval-every", "2",
+            "--eval-needles", "4", "--final-needles", "4", "--lr", "0", "--min-lr", "0"]
+    subprocess.run([sys.executable, str(SCRIPT), "--corpus", str(CORPUS), "--init", str(tiny_run), "--out", str(phase2),
+                    *args], check=True, cwd=REPO, capture_output=True, timeout=120)
+    log = json.loads((phase2 / "training_log.json").read_text())
+    first = json.loads((tiny_run / "training_log.json").read_text())
+    assert len(log["commands"]) == 2 and log["commands"][0] == first["commands"][0] and "--init" in log["commands"][1]
+    assert log["earlier_phases"][0]["log"] == first["log"]
+    readme = (phase2 / "README.md").read_text()
+    assert readme.index(log["commands"][0]) < readme.index(log["commands"][1])
+    before, after = load_file(tiny_run / "model.safetensors"), load_file(phase2 / "model.safetensors")
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)

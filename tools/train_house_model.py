@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # The script lives in tools/; make the repository's `loom` package importable when run directly.
@@ -93,6 +93,9 @@ class Stage:
 class TrainConfig:
     corpus: Path
     out: Path
+    # Continue from the weights of an earlier run's output directory (same corpus, so the same
+    # tokenizer) instead of a fresh initialization: a run can be split into phases.
+    init: Path | None = None
     seed: int = 1234
     threads: int = os.cpu_count() or 1
     heldout_fraction: float = 0.1
@@ -631,7 +634,7 @@ def plot_log(log: list[dict], unigram: float, path: Path) -> None:
     plt.close(fig)
 
 
-def write_readme(path: Path, command: str, model_cfg: ModelConfig, cfg: TrainConfig, n_params: int,
+def write_readme(path: Path, commands: list[str], model_cfg: ModelConfig, cfg: TrainConfig, n_params: int,
                  results: dict) -> None:
     needles = "\n".join(f"| {c} | {a * 100:.1f}% |" for c, a in results["needle_accuracy"].items())
     stages = "\n".join(f"| {s.context} | {s.share} | {s.needle_fraction} |" for s in cfg.curriculum)
@@ -649,12 +652,16 @@ Hugging Face layout: `transformers.LlamaForCausalLM.from_pretrained` loads it un
 
 ## Reproduce
 
-    {command}
+{"Run in order; each command continues from the previous one's output (--init)." if len(commands) > 1 else ""}
 
-Seeded throughout; the result depends only on the command and the thread count
+{chr(10).join("    " + c for c in commands)}
+
+Seeded throughout; the result depends only on the commands and the thread count
 ({cfg.threads} here, since float reductions are split by thread){reproducibility_note}.
 
 ## Recipe
+
+{"The settings below are the last command's; the earlier commands above give theirs, and training_log.json keeps their evaluation logs (earlier_phases)." if len(commands) > 1 else ""}
 
 - Tokenizer: byte-level BPE (`tokenizers`), digits split one per token, BOS `<s>` prepended by
   the post-processor, EOS `</s>`, byte-level decoder (decode(encode(x)) == x). Trained on the
@@ -677,7 +684,7 @@ Seeded throughout; the result depends only on the command and the thread count
   checkpoint has the lowest held-out loss among those whose mean needle accuracy is within
   {cfg.needle_tolerance} of the best seen (before retrieval emerges: simply the lowest held-out loss).
 
-| setting | value |
+| setting (the last command) | value |
 |---|---|
 {config_rows}
 
@@ -705,7 +712,8 @@ Seeded throughout; the result depends only on the command and the thread count
 
 
 def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], kept_step: int, corpus: Corpus,
-           cfg: TrainConfig, log: list[dict], train_minutes: float, command: str) -> dict:
+           cfg: TrainConfig, log: list[dict], train_minutes: float, commands: list[str],
+           earlier_phases: list[dict]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = model.cfg
     export_weights(state, out / "model.safetensors")
@@ -736,9 +744,10 @@ def export(out: Path, model: HouseLlama, state: dict[str, torch.Tensor], kept_st
         "bos_token_id": corpus.bos_id,
         "eos_token_id": corpus.eos_id,
     }, indent=2) + "\n")
-    (out / "training_log.json").write_text(json.dumps({"results": results, "log": log}, indent=2) + "\n")
+    (out / "training_log.json").write_text(json.dumps(
+        {"results": results, "log": log, "commands": commands, "earlier_phases": earlier_phases}, indent=2) + "\n")
     plot_log(log, results["unigram_nats_per_char"], out / "loss_curve.png")
-    write_readme(out / "README.md", command, model_cfg, cfg, model.num_parameters(), results)
+    write_readme(out / "README.md", commands, model_cfg, cfg, model.num_parameters(), results)
     return results
 
 
@@ -758,12 +767,14 @@ def parse_args(argv: list[str] | None) -> tuple[ModelConfig, TrainConfig]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--corpus", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from the weights of an earlier run's output directory")
     parser.add_argument("--curriculum", type=parse_curriculum,
                         help="context:share-of-steps:needle-fraction stages, e.g. 128:0.3:1,1024:0.7:0.5")
     # Every other field of the two configs is a flag of the same name with the same default.
     for config_cls in (ModelConfig, TrainConfig):
         for f in dataclasses.fields(config_cls):
-            if f.name in ("corpus", "out", "curriculum"):
+            if f.name in ("corpus", "out", "curriculum", "init"):
                 continue
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = vars(parser.parse_args(argv))
@@ -778,6 +789,20 @@ def parse_args(argv: list[str] | None) -> tuple[ModelConfig, TrainConfig]:
     return model_cfg, cfg
 
 
+def continue_from(model: HouseLlama, corpus: Corpus, init: Path) -> tuple[list[str], list[dict]]:
+    """Loads an earlier run's weights into `model`; returns that run's commands and its logs."""
+    if json.loads((init / "tokenizer.json").read_text()) != json.loads(corpus.tokenizer.to_str()):
+        raise SystemExit(f"--init {init}: its tokenizer differs from this corpus's (another corpus or vocab size?)")
+    state = {k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the head is tied to the embedding
+        raise SystemExit(f"--init {init}: weights do not fit this model (missing {missing}, unexpected {unexpected})")
+    previous = json.loads((init / "training_log.json").read_text())
+    commands = previous["commands"]
+    phase = {"command": commands[-1], "results": previous["results"], "log": previous["log"]}
+    return list(commands), previous["earlier_phases"] + [phase]
+
+
 def main(argv: list[str] | None = None) -> dict:
     model_cfg, cfg = parse_args(argv)
     command = "python tools/train_house_model.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -788,11 +813,15 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = load_corpus(cfg, model_cfg.vocab_size)
     model_cfg.vocab_size = corpus.tokenizer.get_vocab_size()  # BPE may stop short of the target
     model = HouseLlama(model_cfg)
+    commands, earlier_phases = [command], []
+    if cfg.init is not None:
+        commands, earlier_phases = continue_from(model, corpus, cfg.init)
+        commands.append(command)
     print(f"{model.num_parameters() / 1e6:.2f}M parameters, {len(corpus.train_ids)} training tokens, "
           f"{len(corpus.names)} names, {cfg.threads} thread(s)", flush=True)
 
     state, kept_step, log, minutes = train(model, corpus, cfg)
-    results = export(cfg.out, model, state, kept_step, corpus, cfg, log, minutes, command)
+    results = export(cfg.out, model, state, kept_step, corpus, cfg, log, minutes, commands, earlier_phases)
     print(json.dumps(results, indent=2))
     return results
 
