@@ -30,6 +30,13 @@ constexpr int64_t kTile = 4;  // rows of x handled together, sharing each widene
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
+// Round to nearest even, as integer arithmetic the compiler vectorizes (c10::BFloat16's
+// conversion also handles NaN, which dequantized weights never are).
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // One output row n for rows m0..m0+MT of x: out[m] = sum_k x[m, k] w[n, k] (before scaling).
 template <int MT>
 inline void int8_row(const float* x, int64_t K, const int8_t* q, float* out) {
@@ -214,10 +221,18 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale) {
   at::Tensor w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t k = 0; k < K; ++k) wp[n * K + k] = static_cast<at::BFloat16>(qp[n * K + k] * sp[n]);
+    for (int64_t n = n0; n < n1; ++n) {
+      // Restricted row pointers: int8_t is a char type, which may alias the output otherwise.
+      const int8_t* __restrict__ row = qp + n * K;
+      uint16_t* __restrict__ out = wp + n * K;
+      const float s = sp[n];
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32)  // fixed-size chunks: the form the vectorizer takes
+        for (int i = 0; i < 32; ++i) out[k + i] = float_to_bf16(static_cast<float>(row[k + i]) * s);
+      for (; k < K; ++k) out[k] = float_to_bf16(static_cast<float>(row[k]) * s);
+    }
   });
   return w;
 }
@@ -234,7 +249,7 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint16_t* words = reinterpret_cast<const uint16_t*>(qp + n * (Kp / 2));
@@ -243,8 +258,8 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
         const float s = bf16_to_float(sp[g]), z = bf16_to_float(zp[g]) - 8.f * s;
         const uint16_t* cw = words + (c / 4) * 32;
         const int shift = 4 * static_cast<int>(c % 4);
-        at::BFloat16* out = wp + n * K + c * 32;
-        for (int i = 0; i < 32; ++i) out[i] = static_cast<at::BFloat16>(static_cast<float>((cw[i] >> shift) & 0x0F) * s + z);
+        uint16_t* out = wp + n * K + c * 32;
+        for (int i = 0; i < 32; ++i) out[i] = float_to_bf16(static_cast<float>((cw[i] >> shift) & 0x0F) * s + z);
       }
     }
   });

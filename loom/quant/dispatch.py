@@ -6,6 +6,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,43 +28,42 @@ def load_crossover(method: str) -> int:
     return DEFAULT_CROSSOVER[method]
 
 
+def _median_ms(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int) -> float:
+    """Median time of one call, each sample a pass over every layer in `fns` (after a warm pass)."""
+    for fn in fns:
+        fn(x)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for fn in fns:
+            fn(x)
+        samples.append((time.perf_counter() - start) / len(fns))
+    return statistics.median(samples) * 1e3
+
+
 def calibrate(tokens: list[int], in_features: int = 4096, out_features: int = 4096, group_size: int = 32,
-              repeats: int = 5) -> dict:
-    """Times both kernels of each method at each token count (medians, interleaved); the
-    crossover is the largest count up to which the weight-only kernel is always faster. The
-    unquantized bf16 layer is timed too, as the reference both should approach."""
+              copies: int = 8, repeats: int = 5) -> dict:
+    """Times both kernels of each method at each token count; the crossover is the largest
+    count up to which the weight-only kernel is always faster. The unquantized bf16 layer is
+    timed too, as the reference both should approach. Each timing cycles through `copies`
+    different matrices, more than the caches hold, so weights come from memory as in a model."""
     from loom.layers.linear import PackedLinear, can_pack
     from loom.quant.linear import WeightOnlyLinear
 
-    base = torch.nn.Linear(in_features, out_features, bias=False)
+    bases = [torch.nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
     result: dict = {"in_features": in_features, "out_features": out_features, "group_size": group_size,
-                    "threads": torch.get_num_threads(), "tokens": tokens, "ms": {}, "crossover": {}}
-    bf16 = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
-    reference = PackedLinear(bf16) if can_pack(torch.device("cpu")) else bf16
-    result["ms"]["bf16"] = []
-    for m in tokens:
-        x = torch.randn(m, in_features, dtype=torch.bfloat16)
-        reference(x)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reference(x)
-            samples.append(time.perf_counter() - start)
-        result["ms"]["bf16"].append(statistics.median(samples) * 1e3)
+                    "copies": copies, "threads": torch.get_num_threads(), "tokens": tokens, "ms": {},
+                    "crossover": {}}
+    pack = can_pack(torch.device("cpu"))
+    reference = [PackedLinear(b.to(torch.bfloat16)) if pack else b.to(torch.bfloat16) for b in bases]
+    inputs = {m: torch.randn(m, in_features, dtype=torch.bfloat16) for m in tokens}
+    result["ms"]["bf16"] = [_median_ms(reference, inputs[m], repeats) for m in tokens]
+    del reference
     for method in ("int8", "int4"):
-        layer = WeightOnlyLinear.from_linear(base, method, group_size, crossover=0)
-        times: dict[str, list[float]] = {"weight_only": [], "dequantized_bf16": []}
-        for m in tokens:
-            x = torch.randn(m, in_features, dtype=torch.bfloat16)
-            samples = {"weight_only": [], "dequantized_bf16": []}
-            for _ in range(repeats):
-                for name, fn in (("weight_only", layer.weight_only), ("dequantized_bf16", layer.dequantized_gemm)):
-                    fn(x)
-                    start = time.perf_counter()
-                    fn(x)
-                    samples[name].append(time.perf_counter() - start)
-            for name in times:
-                times[name].append(statistics.median(samples[name]) * 1e3)
+        layers = [WeightOnlyLinear.from_linear(b, method, group_size, crossover=0) for b in bases]
+        times = {"weight_only": [_median_ms([l.weight_only for l in layers], inputs[m], repeats) for m in tokens],
+                 "dequantized_bf16": [_median_ms([l.dequantized_gemm for l in layers], inputs[m], repeats)
+                                      for m in tokens]}
         result["ms"][method] = times
         crossover = 0
         for m, wo, dq in zip(tokens, times["weight_only"], times["dequantized_bf16"]):
