@@ -1,4 +1,5 @@
-"""The analytical planner against the PaLM inference paper and Helix's published figures."""
+"""The analytical planner against the PaLM inference paper and Helix's published figures, and,
+calibrated on this machine, against Loom's own decode steps."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from loom.planner.collectives import Collective, collective_time, paper_time
-from loom.planner.cost import (estimate, kv_bytes_per_chip, layer_weight_bytes, max_context,
+from loom.planner.cost import (decode_step_cost, estimate, kv_bytes_per_chip, layer_weight_bytes, max_context,
                                predict_decode_step)
 from loom.planner.hardware import GiB, PRESETS as HARDWARE, Hardware, load_hardware_file
 from loom.planner.layouts import Layout, block_collectives, hop_b_time
@@ -177,6 +178,59 @@ def test_one_chip_decode_prediction_is_bandwidth_bound() -> None:
     assert bf16 == pytest.approx(read * 2 / 65e9, rel=0.05)
     assert int8 == pytest.approx(bf16 / 2, rel=0.1)
     assert predict_decode_step(model, cpu, batch=256, weight_dtype="bf16") > 2 * bf16  # compute-bound
+
+
+def test_calibrated_components_price_the_step(tmp_path) -> None:
+    """On calibrated hardware a decode step is weight bytes at the measured rate of the step's
+    token count, plus KV bytes at the measured attention rate, plus the fixed cost."""
+    overhead = {"base_s": 1e-4, "per_seq_s": 1e-5, "per_layer_s": 5e-5, "per_layer_seq_s": 2e-6}
+    hw = Hardware(name="calibrated", peak_flops={"bf16": 1e15}, memory_bytes=24 * GiB, memory_bandwidth=65e9,
+                  link_bandwidth=0.0, linear_tokens=[1, 8, 32], linear_bandwidth={"bf16": [40e9, 20e9, 10e9]},
+                  kv_bandwidth={"bf16": 25e9}, step_overhead=overhead)
+    model = PRESETS["llama-134m"]
+    weights = (12 * (768 * 2304 + 768 * 768 + 3 * 768 * 2048) + 32000 * 768) * 2
+    kv_per_seq = 12 * 2 * 768 * 100 * 2  # layers x (K, V) x width x context x bf16
+    for batch, seconds_per_byte in [(1, 1 / 40e9), (4, 4 / 7 / 40e9 + 3 / 7 / 20e9), (32, 1 / 10e9),
+                                    (64, 1 / 10e9)]:  # held beyond the last measured count
+        fixed = 1e-4 + 1e-5 * batch + 12 * (5e-5 + 2e-6 * batch)
+        cost = decode_step_cost(model, hw, batch, "bf16", context=100)
+        assert cost.fixed_s == pytest.approx(fixed)
+        assert cost.time_s == pytest.approx(weights * seconds_per_byte + batch * kv_per_seq / 25e9 + fixed)
+    # Formats it did not measure fall back to the roofline at the memory bandwidth.
+    int8 = decode_step_cost(model, hw, 1, "int8", context=100)
+    assert int8.weight_s == pytest.approx(weights / 2 / 65e9)
+    path = tmp_path / "hw.json"
+    path.write_text(hw.to_json())
+    assert load_hardware_file(path) == hw
+    with pytest.raises(ValueError, match="one rate per"):
+        replace(hw, linear_bandwidth={"bf16": [1e9]})
+
+
+def test_calibrated_prediction_matches_loom_decode(tmp_path, monkeypatch, capsys) -> None:
+    """Calibrate Loom's components, then predict the decode steps of a model the calibration
+    never ran (other widths, depth, vocabulary) and compare with Loom's own measured steps."""
+    from loom.bench.latency import run_loom
+    from loom.bench.reference_model import reference_model_dir
+    from loom.planner.calibrate import measure
+
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))  # the tiny calibration models, and no crossover file
+    hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
+    # 31M linear weights (63 MB in bf16): more than the caches hold, as in a real model.
+    model_dir = reference_model_dir(dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256),
+                                    name="planner-test")
+    shape = from_hf_config(model_dir)
+    lines, errors = [], []
+    for batch in (1, 8):
+        run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=3)
+        measured = 1 / run["steps_per_s"]
+        predicted = predict_decode_step(shape, hw, batch, "bf16", context=64 + 8)
+        errors.append(predicted / measured - 1)
+        lines.append(f"batch {batch}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
+                     f"({errors[-1]:+.1%})")
+    with capsys.disabled():
+        print("\nCalibrated planner vs Loom decode steps:\n" + "\n".join(lines))
+    assert max(abs(e) for e in errors) <= 0.25
 
 
 def test_collective_alpha_beta() -> None:

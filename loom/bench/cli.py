@@ -46,6 +46,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer (its venv build takes minutes)")
     lt.set_defaults(func=_latency)
 
+    pl = sub.add_parser("planner", help="the planner's predicted decode step times vs Loom's measured ones")
+    common(pl)
+    pl.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4", "fp32"],
+                    help="weight formats (bf16, int8, int4, fp32)")
+    pl.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    pl.add_argument("--prompt-len", type=int, default=128)
+    pl.add_argument("--max-tokens", type=int, default=64)
+    pl.add_argument("--repeats", type=int, default=3)
+    pl.add_argument("--hardware", type=Path,
+                    help="hardware JSON written by `loom calibrate` under this run's conditions "
+                         "(threads, step mode, quantization crossover; default: calibrate now)")
+    pl.set_defaults(func=_planner)
+
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
     common(q, default_model="the house model")
     q.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "corpora"
@@ -289,3 +302,41 @@ def _latency(args: argparse.Namespace) -> None:
              [f"{'Loom' if r['engine'] == 'loom' else r['engine']}\n{r.get('quantization') or r['dtype']}"
               for r in batch1], [r["tok_per_s"] for r in batch1], "tokens/s (median)")
     print(f"wrote {path}")
+
+
+def _planner(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from loom.bench import planner
+    from loom.bench.report import write_report
+    from loom.planner.calibrate import conditions, measure
+    from loom.planner.hardware import load_hardware_file
+    from loom.planner.presets import from_hf_config
+
+    model, _ = _setup(args)
+    unknown = set(args.weights) - set(planner.VARIANTS)
+    if unknown:
+        raise SystemExit(f"--weights: unknown {sorted(unknown)}; choose from {', '.join(planner.VARIANTS)}")
+    if args.hardware:
+        hw = load_hardware_file(args.hardware)
+        differ = {k: v for k, v in conditions().items() if hw.extra.get(k) != v}
+        if differ:
+            raise SystemExit(f"{args.hardware} was calibrated with {hw.extra}, this run has {differ}: recalibrate")
+    else:
+        print(f"calibrating at {args.threads} threads", flush=True)
+        hw = measure(collectives=False)
+    shape = from_hf_config(model)
+    rows = []
+    for weights in args.weights:
+        for batch in args.batches:
+            r = planner.compare(model, shape, hw, weights, batch, args.prompt_len, args.max_tokens, args.repeats)
+            rows.append(r)
+            print(f"{weights} batch {batch}: measured {r['measured_ms']:.2f} ms, predicted {r['predicted_ms']:.2f} ms "
+                  f"({r['error']:+.1%})", flush=True)
+    worst = max(abs(r["error"]) for r in rows)
+    path = write_report("planner", {"model": str(model), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                                    "repeats": args.repeats, "worst_abs_error": worst, "hardware": asdict(hw),
+                                    "results": rows}, args.out_dir)
+    planner.plot(path.with_suffix(".png"), rows, f"{shape.name} decode step, prompt {args.prompt_len}, "
+                 f"{args.threads} threads: planner vs Loom")
+    print(f"worst error {worst:.1%}; wrote {path}")

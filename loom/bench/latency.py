@@ -57,8 +57,9 @@ def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
 
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
              repeats: int) -> dict:
+    # A token budget that takes every prompt in one step, so that all the timed steps decode.
     llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
-              kv_cache_memory=1 << 30)
+              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, llm.engine.model_config.vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -66,7 +67,7 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     for _ in range(repeats):
         for p in prompts:
             engine.add_request(p, params)
-        engine.step()  # the prefill (chunked prompts would need more; 128 x 8 fits one step)
+        engine.step()  # the prefill
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

@@ -5,6 +5,9 @@ Per layer and per chip, four times are computed (PaLM section 2):
   weight   weight bytes read from memory (weight-gathered layouts read the gathered weights)
   kv       KV-cache bytes read (decode) or written (prefill)
   comm     the layout's collectives, alpha-beta priced
+and, per step, a fixed cost (engine loop, sampler, small ops) where the hardware measured one.
+On hardware calibrated with Loom's own layers (`loom calibrate`), weight and KV reads run at the
+rates those layers reached rather than at the memory bandwidth (docs/planner.md).
 Attention (score/value FLOPs against the KV read) and the projections run as separate kernels,
 each bound by the slower of its compute and its memory traffic; communication is added on top,
 or hidden behind them with `Workload.overlap` (PaLM's looped collective einsums); weight
@@ -30,6 +33,7 @@ class StepCost:
     kv_s: float
     comm_s: float
     time_s: float
+    fixed_s: float = 0.0     # per-step cost that no layer accounts for, included in time_s
 
     def scaled(self, k: float) -> "StepCost":
         return StepCost(*(k * v for v in asdict(self).values()))
@@ -96,10 +100,11 @@ def layer_cost(model: ModelShape, hw: Hardware, wl: Workload, layout: Layout, ba
     matmul_s = mm_flops / hw.flops(hw.matmul_dtype(wl.weight_dtype))
     # Attention multiplies against the cache, so it runs at the KV dtype's tensor-core rate.
     attn_s = attn_flops / hw.flops(hw.matmul_dtype(wl.kv_dtype))
-    weight_s = layer_weight_bytes(model, wb, s.qkv, s.o, s.ffn, tokens) * layout.gather / hw.bandwidth
+    weight_s = (layer_weight_bytes(model, wb, s.qkv, s.o, s.ffn, tokens) * layout.gather
+                / hw.weight_bandwidth(wl.weight_dtype, tokens))
     kv = kv_bytes_per_chip(model, dtype_bytes(wl.kv_dtype), _seqs_per_chip(layout, model, batch),
                            kv_tokens, s.kv_heads, s.kv_seq)
-    kv_s = kv / hw.bandwidth
+    kv_s = kv / hw.kv_read_bandwidth(wl.kv_dtype)
     total_weights = (model.qkv_params + model.o_params + model.ffn_params_read(tokens)) * wb
     collectives = layer_collectives(layout, model, batch, tokens_per_seq, total_weights, ab)
     # Weight all-gathers do not depend on this layer's activations, so they are issued ahead
@@ -129,7 +134,8 @@ def layer_cost(model: ModelShape, hw: Hardware, wl: Workload, layout: Layout, ba
 def _head_cost(model: ModelShape, hw: Hardware, wl: Workload, layout: Layout, tokens: float) -> StepCost:
     """The vocabulary projection, split over the chips of one stage."""
     flops_s = 2 * tokens * model.vocab * model.d_model / layout.tp / hw.flops(hw.matmul_dtype(wl.weight_dtype))
-    weight_s = model.vocab * model.d_model * dtype_bytes(wl.weight_dtype) / layout.tp / hw.bandwidth
+    weight_s = (model.vocab * model.d_model * dtype_bytes(wl.weight_dtype) / layout.tp
+                / hw.weight_bandwidth(wl.weight_dtype, tokens))
     return StepCost(compute_s=flops_s, weight_s=weight_s, kv_s=0.0, comm_s=0.0, time_s=max(flops_s, weight_s))
 
 
@@ -141,7 +147,9 @@ def step_cost(model: ModelShape, hw: Hardware, wl: Workload, layout: Layout, bat
         raise ValueError(f"a batch of {batch} does not split into {layout.pp} pipeline micro-batches")
     micro = batch / layout.pp
     layer = layer_cost(model, hw, wl, layout, micro, tokens_per_seq, context, kv_tokens)
-    step = layer.scaled(model.n_layers) + _head_cost(model, hw, wl, layout, micro * tokens_per_seq)
+    fixed = hw.step_overhead_s(micro, model.n_layers)
+    step = (layer.scaled(model.n_layers) + _head_cost(model, hw, wl, layout, micro * tokens_per_seq)
+            + StepCost(0.0, 0.0, 0.0, 0.0, time_s=fixed, fixed_s=fixed))
     if layout.pp > 1:
         send = Collective("send", micro * tokens_per_seq * model.d_model * dtype_bytes(wl.act_dtype), 2)
         hop = (layout.pp - 1) * collective_time(hw, send)
@@ -198,8 +206,14 @@ def estimate(model: ModelShape, hw: Hardware, wl: Workload, layout: Layout, phas
         chip_s_per_token=layout.chips * latency / tokens if tokens else 0.0)
 
 
+def decode_step_cost(model: ModelShape, hw: Hardware, batch: int, weight_dtype: str = "bf16",
+                     context: int = 0, kv_dtype: str = "bf16") -> StepCost:
+    """One decode step of the whole model on one chip, `context` tokens cached per sequence."""
+    wl = Workload(batch=batch, input_len=context, output_len=0, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return step_cost(model, hw, wl, Layout("1d", 1), batch, 1, context, context)[1]
+
+
 def predict_decode_step(model: ModelShape, hw: Hardware, batch: int, weight_dtype: str = "bf16",
                         context: int = 0, kv_dtype: str = "bf16") -> float:
     """Seconds per decode step on one chip: the figure to compare with Loom's measured runs."""
-    wl = Workload(batch=batch, input_len=context, output_len=0, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
-    return step_cost(model, hw, wl, Layout("1d", 1), batch, 1, context, context)[1].time_s
+    return decode_step_cost(model, hw, batch, weight_dtype, context, kv_dtype).time_s

@@ -1,16 +1,21 @@
 """Chips and their interconnect: presets, user JSON files, and the calibrated `this-machine`.
 
 Peak figures are datasheet values. The three efficiencies scale them to what real kernels
-reach; docs/planner.md says where each preset's efficiencies come from.
+reach; docs/planner.md says where each preset's efficiencies come from. `loom calibrate` also
+measures Loom's own components on this machine (linear layers per weight format and tokens per
+step, decode attention, the engine's fixed cost per step); the presets leave those empty and
+fall back to the roofline.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GiB = 2**30
+STEP_OVERHEAD_TERMS = ("base_s", "per_seq_s", "per_layer_s", "per_layer_seq_s")
 
 
 @dataclass(frozen=True)
@@ -30,12 +35,24 @@ class Hardware:
     link_efficiency: float = 1.0   # achieved / peak link bandwidth
     notes: str = ""
     extra: dict = field(default_factory=dict)  # anything else a calibration recorded
+    # Loom's own components as measured by `loom calibrate`; where empty, the roofline applies.
+    linear_tokens: list[int] = field(default_factory=list)  # tokens per step of each linear_bandwidth entry
+    linear_bandwidth: dict[str, list[float]] = field(default_factory=dict)  # weight dtype -> weight bytes/s
+    kv_bandwidth: dict[str, float] = field(default_factory=dict)  # KV dtype -> bytes/s decode attention reads
+    step_overhead: dict[str, float] = field(default_factory=dict)  # see STEP_OVERHEAD_TERMS
 
     def __post_init__(self) -> None:
         if "bf16" not in self.peak_flops:
             raise ValueError(f"{self.name}: peak_flops needs at least a bf16 entry")
         if self.topology not in ("torus", "switch"):
             raise ValueError(f"{self.name}: topology must be 'torus' or 'switch'")
+        if self.linear_tokens != sorted(set(self.linear_tokens)):
+            raise ValueError(f"{self.name}: linear_tokens must be increasing")
+        for dtype, rates in self.linear_bandwidth.items():
+            if len(rates) != len(self.linear_tokens):
+                raise ValueError(f"{self.name}: linear_bandwidth[{dtype!r}] needs one rate per linear_tokens entry")
+        if self.step_overhead and set(self.step_overhead) != set(STEP_OVERHEAD_TERMS):
+            raise ValueError(f"{self.name}: step_overhead needs exactly {', '.join(STEP_OVERHEAD_TERMS)}")
 
     def matmul_dtype(self, weight_dtype: str) -> str:
         """Dtype the matmuls run in: low-precision formats the chip computes natively run as
@@ -51,6 +68,33 @@ class Hardware:
     @property
     def bandwidth(self) -> float:
         return self.memory_bandwidth * self.memory_efficiency
+
+    def weight_bandwidth(self, dtype: str, tokens: float) -> float:
+        """Weight bytes/s of a step's matmuls over `tokens` tokens: the measured rate of `dtype`
+        (time per byte interpolated linearly in tokens, held beyond the measured range, where
+        the FLOP/s roofline takes over), else the memory bandwidth."""
+        rates = self.linear_bandwidth.get(dtype)
+        if not rates:
+            return self.bandwidth
+        xs = self.linear_tokens
+        t = min(max(tokens, xs[0]), xs[-1])
+        i = bisect.bisect_left(xs, t)
+        if xs[i] == t:
+            return rates[i]
+        w = (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return 1 / ((1 - w) / rates[i - 1] + w / rates[i])
+
+    def kv_read_bandwidth(self, dtype: str) -> float:
+        """Bytes/s of KV-cache traffic: the measured decode-attention rate, else the memory bandwidth."""
+        return self.kv_bandwidth.get(dtype, self.bandwidth)
+
+    def step_overhead_s(self, seqs: float, layers: int) -> float:
+        """Seconds a step costs besides weight and KV reads (engine loop, sampler, small ops):
+        base + per_seq x seqs + layers x (per_layer + per_layer_seq x seqs)."""
+        o = self.step_overhead
+        if not o:
+            return 0.0
+        return o["base_s"] + o["per_seq_s"] * seqs + layers * (o["per_layer_s"] + o["per_layer_seq_s"] * seqs)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
