@@ -35,7 +35,7 @@ def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_s
     kv = cfg.num_kv_heads * cfg.head_dim
     linear = cfg.num_layers * (h * (cfg.num_heads * cfg.head_dim) * 2 + 2 * h * kv + 3 * h * i) + h * v
     per_weight = {None: 4 if dtype == "float32" else 2, "int8": 1, "int4": 0.5}[quantization]
-    extra = {None: 0, "int8": 2 / h, "int4": 4 / group_size}[quantization]  # bf16 scales (and zeros)
+    extra = {None: 0, "int8": 4 / h, "int4": 4 / group_size}[quantization]  # fp32 row scales; bf16 group scales + zeros
     return linear * (per_weight + extra)
 
 

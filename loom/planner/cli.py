@@ -87,7 +87,7 @@ def run_plan(args: argparse.Namespace) -> None:
     if "helix_gain" in result:
         g = result["helix_gain"]
         print(f"sweep: {args.sweep}; Helix vs best non-Helix: x{g['throughput_gain']:.2f} tokens/s/chip at equal TTL, "
-              f"x{g['min_ttl_gain']:.2f} lower minimum TTL")
+              f"x{g['batch_gain']:.2f} concurrent requests at equal TTL, x{g['min_ttl_gain']:.2f} lower minimum TTL")
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
