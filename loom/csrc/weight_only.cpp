@@ -3,7 +3,8 @@
 // memory bandwidth, not arithmetic, sets the speed.
 //
 // Layouts (built by loom/quant/linear.py from the portable checkpoint form):
-//   int8: q [N, K] int8, scale [N] fp32; w[n, k] = q[n, k] * scale[n]; fp32 FMAs.
+//   int8: q [N, K] int8, scale [N] fp32; w[n, k] = q[n, k] * scale[n]; bf16 dot products of the
+//         exactly widened weights with bf16 activations, accumulated in fp32.
 //   int4: q [N, Kp/2] uint8, Kp = K rounded up to 128 (the padding is never read as weights):
 //         in each 64-byte block (128 weights), nibble e (bits 4e..4e+3) of little-endian 16-bit
 //         word i holds weight 32e + i. scale, zero [N, K/G] bf16 with
@@ -26,7 +27,8 @@
 
 namespace {
 
-constexpr int64_t kTile = 4;  // rows of x handled together, sharing each widened weight vector
+// Rows of x handled together, sharing each widened weight vector.
+constexpr int kInt8Tile = 8, kInt4Tile = 8;
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
@@ -37,31 +39,35 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// One output row n for rows m0..m0+MT of x: out[m] = sum_k x[m, k] w[n, k] (before scaling).
+// int8, one output row n for rows m0..m0+MT of x, given as bf16 [MT, K]: out[m] = sum_k x[m, k]
+// q[n, k] (before scaling). Each 32 weights are widened once to bf16 (exact: |q| <= 127) and
+// used by every row of the tile in a bf16 dot product.
 template <int MT>
-inline void int8_row(const float* x, int64_t K, const int8_t* q, float* out) {
+inline void int8_row(const uint16_t* xb, int64_t K, const int8_t* q, float* out) {
   int64_t k = 0;
-#ifdef __AVX512F__
-  constexpr int U = MT >= 4 ? 2 : 4 / MT;  // independent FMA chains per row of x, to hide latency
+  for (int m = 0; m < MT; ++m) out[m] = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  constexpr int U = MT >= 4 ? 1 : 4 / MT;  // independent accumulators per row, to hide latency
   __m512 acc[MT][U];
   for (int m = 0; m < MT; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-  for (; k + 16 * U <= K; k += 16 * U) {
+  for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u) {
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16 * u))));
-      for (int m = 0; m < MT; ++m) acc[m][u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + 32 * u));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // weights k .. k + 31, in order
+      for (int m = 0; m < MT; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], w, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32 * u));
     }
   }
   for (int m = 0; m < MT; ++m) {
     for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
     out[m] = _mm512_reduce_add_ps(acc[m][0]);
   }
-#else
-  for (int m = 0; m < MT; ++m) out[m] = 0.f;
 #endif
   for (; k < K; ++k)
-    for (int m = 0; m < MT; ++m) out[m] += x[m * K + k] * static_cast<float>(q[k]);
+    for (int m = 0; m < MT; ++m) out[m] += bf16_to_float(xb[m * K + k]) * static_cast<float>(q[k]);
 }
 
 // One int4 weight as a float, read from the kernel layout (the slow paths and the tail).
@@ -84,23 +90,27 @@ inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q
   // words by 4e and keeping 4 bits yields 32 consecutive weights, no shuffles. OR-ing 0x4300
   // into a word holding n in 0..15 makes the bf16 number 128 + n exactly.
   const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-  __m512 total[MT][groups_per_block];  // independent chains, one per group of a block
+  // Independent chains into the totals, one per group of a block, while few rows leave the
+  // registers room; with more rows, the rows themselves are independent chains.
+  constexpr int T = MT >= 4 ? 1 : static_cast<int>(groups_per_block);
+  __m512 total[MT][T];
   for (int m = 0; m < MT; ++m)
-    for (int t = 0; t < groups_per_block; ++t) total[m][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) total[m][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < full_blocks; ++b) {
     const __m512i block = _mm512_loadu_si512(q + b * 64);
-    __m512 acc[MT][groups_per_block];
-    for (int m = 0; m < MT; ++m)
-      for (int t = 0; t < groups_per_block; ++t) acc[m][t] = _mm512_setzero_ps();
+    __m512 acc[MT];
     for (int e = 0; e < 4; ++e) {  // constant trip counts: unrolled, everything in registers
       const __m512i words = _mm512_srli_epi16(block, 4 * e);
       const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, bf16_128, 0xEA);  // (a & b) | c
-      for (int m = 0; m < MT; ++m)
-        acc[m][e / GC] = _mm512_dpbf16_ps(acc[m][e / GC], w, (__m512bh)_mm512_loadu_si512(xb + m * Kp + b * 128 + 32 * e));
-    }
-    for (int t = 0; t < groups_per_block; ++t) {
-      const __m512 sg = _mm512_set1_ps(bf16_to_float(scale[b * groups_per_block + t]));
-      for (int m = 0; m < MT; ++m) total[m][t] = _mm512_fmadd_ps(acc[m][t], sg, total[m][t]);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 start = e % GC == 0 ? _mm512_setzero_ps() : acc[m];  // a group's first chunk
+        acc[m] = _mm512_dpbf16_ps(start, w, (__m512bh)_mm512_loadu_si512(xb + m * Kp + b * 128 + 32 * e));
+      }
+      if ((e + 1) % GC == 0) {  // the group's last chunk: scale it into the total
+        const int t = e / GC;
+        const __m512 sg = _mm512_set1_ps(bf16_to_float(scale[b * groups_per_block + t]));
+        for (int m = 0; m < MT; ++m) total[m][t % T] = _mm512_fmadd_ps(acc[m], sg, total[m][t % T]);
+      }
     }
   }
   for (int64_t g = 0; g < groups; g += 16) {  // the offsets' share: sum_g offset[g] * xsum[m, g]
@@ -113,7 +123,7 @@ inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q
       total[m][0] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, xsum + m * groups + g), total[m][0]);
   }
   for (int m = 0; m < MT; ++m) {
-    for (int t = 1; t < groups_per_block; ++t) total[m][0] = _mm512_add_ps(total[m][0], total[m][t]);
+    for (int t = 1; t < T; ++t) total[m][0] = _mm512_add_ps(total[m][0], total[m][t]);
     out[m] = _mm512_reduce_add_ps(total[m][0]);
   }
   const int64_t first_slow_group = full_blocks * groups_per_block;
@@ -131,28 +141,27 @@ inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q
     }
 }
 
-template <typename F>
+// Calls f(std::integral_constant<int, mt>) for 1 <= mt <= MaxTile.
+template <int MaxTile, typename F>
 inline void dispatch_tile(int64_t mt, F f) {
-  switch (mt) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+  if constexpr (MaxTile > 1) {
+    if (mt < MaxTile) return dispatch_tile<MaxTile - 1>(mt, f);
   }
+  f(std::integral_constant<int, MaxTile>{});
 }
 
-// y [M, N] in the dtype of `options`, y[m, n] from row_fn(tile of up to kTile rows of x
+// y [M, N] in the dtype of `options`, y[m, n] from row_fn(tile of up to Tile rows of x
 // starting at m0, n); the rows of W are split across threads in runs long enough to stream.
-template <typename RowFn>
+template <int Tile, typename RowFn>
 at::Tensor run_rows(int64_t M, int64_t N, const at::TensorOptions& options, RowFn row_fn) {
   at::Tensor y = at::empty({M, N}, options.dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float vals[kTile];
+    float vals[Tile];
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int64_t mt = std::min(kTile, M - m0);
-        dispatch_tile(mt, [&](auto tag) { row_fn(tag, m0, n, vals); });
+      for (int64_t m0 = 0; m0 < M; m0 += Tile) {
+        const int64_t mt = std::min<int64_t>(Tile, M - m0);
+        dispatch_tile<Tile>(mt, [&](auto tag) { row_fn(tag, m0, n, vals); });
         for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = vals[m];
       }
   });
@@ -165,11 +174,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == q.size(0),
               "int8_linear: scale [N] fp32");
   const int64_t K = x.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // the dot products' input
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run_rows(x.size(0), q.size(0), x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+  return run_rows<kInt8Tile>(x.size(0), q.size(0), x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
     constexpr int MT = decltype(tile)::value;
     int8_row<MT>(xp + m0 * K, K, qp + n * K, vals);
     for (int m = 0; m < MT; ++m) vals[m] *= sp[n];
@@ -197,7 +206,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-  return run_rows(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+  return run_rows<kInt4Tile>(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
     constexpr int MT = decltype(tile)::value;
     auto row = [&](auto row_fn) {
       row_fn(xp + m0 * Kp, Kp, K, qp + n * (Kp / 2), sp + n * groups, zp + n * groups, xs + m0 * groups, vals);
@@ -229,8 +238,13 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale) {
       uint16_t* __restrict__ out = wp + n * K;
       const float s = sp[n];
       int64_t k = 0;
-      for (; k + 32 <= K; k += 32)  // fixed-size chunks: the form the vectorizer takes
-        for (int i = 0; i < 32; ++i) out[k + i] = float_to_bf16(static_cast<float>(row[k + i]) * s);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const __m512 sv = _mm512_set1_ps(s);
+      for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+      }
+#endif
       for (; k < K; ++k) out[k] = float_to_bf16(static_cast<float>(row[k]) * s);
     }
   });
