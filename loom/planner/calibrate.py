@@ -89,7 +89,7 @@ def gemm_flops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
 
 
 def linear_bandwidth(dtypes: tuple[str, ...] = LINEAR_DTYPES, tokens: tuple[int, ...] = LINEAR_TOKENS,
-                     stream_bytes: int = STREAM_BYTES, repeats: int = 3) -> dict[str, list[float]]:
+                     stream_bytes: int = STREAM_BYTES, repeats: int = 5) -> dict[str, list[float]]:
     """Weight bytes/s (parameters x the planner's bytes per weight / time) that Loom's linear
     layers reach in each format at each token count, on a stack of reference-model layers too
     large for the caches. The rates take in whatever bounds the kernels: memory at one token,
@@ -146,8 +146,9 @@ def kv_bandwidth(dtypes: tuple[str, ...] = ("fp32", "bf16"), batch: int = 8, con
 
 
 def step_overhead(prompt_len: int = 128, steps: int = 32, repeats: int = 3) -> dict[str, float]:
-    """The engine's fixed cost per decode step, from tiny models' steps (median of `repeats`
-    runs of `steps` steps each) at two depths and two batch sizes, solved for
+    """The engine's fixed cost per decode step, from tiny models' steps (the fastest of `repeats`
+    runs of `steps` steps each, like every other calibration figure: on a shared machine the
+    slower runs measure the neighbours) at two depths and two batch sizes, solved for
     base + per_seq x seqs + layers x (per_layer + per_layer_seq x seqs) (STEP_OVERHEAD_TERMS)."""
     from loom.bench.latency import run_loom
     from loom.bench.reference_model import reference_model_dir
@@ -157,7 +158,7 @@ def step_overhead(prompt_len: int = 128, steps: int = 32, repeats: int = 3) -> d
         model = reference_model_dir(dict(TINY_LLAMA, num_hidden_layers=layers), name=f"calibrate-tiny-{layers}l")
         for batch in OVERHEAD_BATCHES:
             run = run_loom(model, "bfloat16", None, batch, prompt_len, steps + 1, repeats)
-            t[layers, batch] = 1 / run["steps_per_s"]
+            t[layers, batch] = 1 / max(run["all_steps_per_s"])
     (l0, l1), (b0, b1) = OVERHEAD_DEPTHS, OVERHEAD_BATCHES
 
     def intercept_slope(at: dict[int, float]) -> tuple[float, float]:
