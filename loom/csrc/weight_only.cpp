@@ -27,8 +27,7 @@
 
 namespace {
 
-// Rows of x handled together, sharing each widened weight vector.
-constexpr int kInt8Tile = 8, kInt4Tile = 8;
+constexpr int kTile = 8;  // rows of x handled together, sharing each widened weight vector
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
@@ -150,18 +149,18 @@ inline void dispatch_tile(int64_t mt, F f) {
   f(std::integral_constant<int, MaxTile>{});
 }
 
-// y [M, N] in the dtype of `options`, y[m, n] from row_fn(tile of up to Tile rows of x
+// y [M, N] in the dtype of `options`, y[m, n] from row_fn(tile of up to kTile rows of x
 // starting at m0, n); the rows of W are split across threads in runs long enough to stream.
-template <int Tile, typename RowFn>
+template <typename RowFn>
 at::Tensor run_rows(int64_t M, int64_t N, const at::TensorOptions& options, RowFn row_fn) {
   at::Tensor y = at::empty({M, N}, options.dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float vals[Tile];
+    float vals[kTile];
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += Tile) {
-        const int64_t mt = std::min<int64_t>(Tile, M - m0);
-        dispatch_tile<Tile>(mt, [&](auto tag) { row_fn(tag, m0, n, vals); });
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int64_t mt = std::min<int64_t>(kTile, M - m0);
+        dispatch_tile<kTile>(mt, [&](auto tag) { row_fn(tag, m0, n, vals); });
         for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = vals[m];
       }
   });
@@ -178,7 +177,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run_rows<kInt8Tile>(x.size(0), q.size(0), x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+  return run_rows(x.size(0), q.size(0), x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
     constexpr int MT = decltype(tile)::value;
     int8_row<MT>(xp + m0 * K, K, qp + n * K, vals);
     for (int m = 0; m < MT; ++m) vals[m] *= sp[n];
@@ -206,7 +205,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-  return run_rows<kInt4Tile>(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
+  return run_rows(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
     constexpr int MT = decltype(tile)::value;
     auto row = [&](auto row_fn) {
       row_fn(xp + m0 * Kp, Kp, K, qp + n * (Kp / 2), sp + n * groups, zp + n * groups, xs + m0 * groups, vals);
