@@ -281,7 +281,17 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
 
 }  // namespace
 
+// Whether this build has the vector paths above; without them the kernels are plain loops.
+bool weight_only_vectorized() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(loom, m) {
+  m.def("weight_only_vectorized() -> bool", &weight_only_vectorized);
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor zero, int group_size) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale) -> Tensor");

@@ -8,12 +8,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import logging
+
 import torch
 
 from loom.config import cache_root
+from loom.kernels import load_kernels
 
-# Used until `loom quantize --calibrate` has measured this machine: torch's weight-only CPU
-# kernels lose to a bf16 GEMM from about 16 tokens (reference figures of this project).
+logger = logging.getLogger(__name__)
+
+# Used until `loom quantize --calibrate` has measured this machine: on the CPUs this project
+# measured (AVX512-BF16), Loom's weight-only kernels beat dequantize-then-GEMM up to 32 tokens
+# (int8) and 8 (int4); 8 is safe for both.
 DEFAULT_CROSSOVER = {"int8": 8, "int4": 8}
 
 
@@ -25,6 +31,12 @@ def load_crossover(method: str) -> int:
     path = crossover_path()
     if path.is_file():
         return int(json.loads(path.read_text())["crossover"][method])
+    load_kernels()
+    if not torch.ops.loom.weight_only_vectorized():
+        # Without AVX512-BF16 the weight-only kernels are plain loops, far slower than any GEMM.
+        logger.warning("this CPU lacks AVX512-BF16: quantized layers dequantize to bf16 at every step "
+                       "(run `loom quantize --calibrate` to measure instead)")
+        return 0
     return DEFAULT_CROSSOVER[method]
 
 
