@@ -6,6 +6,7 @@ they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no
   paged_decode_attention  decode attention over the paged KV pool (csrc/paged_attention.cpp)
   int8_linear, int4_linear  weight-only matmuls for small batches (csrc/weight_only.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large batches
+  weight_only_vectorized  whether this build has those kernels' AVX512-BF16 paths
   packed_linear           oneDNN's linear over a prepacked weight, for compiled graphs (csrc/packed_linear.cpp)
 """
 from __future__ import annotations
