@@ -14,6 +14,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--out-dir", type=Path, default=None)
 
+    def decode_run(p: argparse.ArgumentParser, batches: list[int], max_tokens: int) -> None:
+        """Options of the runs that time the engine's decode steps (latency, planner)."""
+        p.add_argument("--batches", type=int, nargs="+", default=batches)
+        p.add_argument("--prompt-len", type=int, default=128)
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--repeats", type=int, default=3)
+
     t = sub.add_parser("throughput", help="offline throughput vs transformers static batches")
     common(t)
     t.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -39,10 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
     common(lt)
-    lt.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    lt.add_argument("--prompt-len", type=int, default=128)
-    lt.add_argument("--max-tokens", type=int, default=128)
-    lt.add_argument("--repeats", type=int, default=3)
+    decode_run(lt, batches=[1, 8], max_tokens=128)
     lt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer (its venv build takes minutes)")
     lt.set_defaults(func=_latency)
 
@@ -50,10 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(pl)
     pl.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4", "fp32"],
                     help="weight formats (bf16, int8, int4, fp32)")
-    pl.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    pl.add_argument("--prompt-len", type=int, default=128)
-    pl.add_argument("--max-tokens", type=int, default=64)
-    pl.add_argument("--repeats", type=int, default=3)
+    decode_run(pl, batches=[1, 8, 32], max_tokens=64)
     pl.add_argument("--hardware", type=Path,
                     help="hardware JSON written by `loom calibrate` under this run's conditions "
                          "(threads, step mode, quantization crossover; default: calibrate now)")
@@ -260,10 +261,11 @@ def _latency(args: argparse.Namespace) -> None:
     from loom.bench.report import bar_plot, write_report
     from loom.config import cache_root
     from loom.models.config import ModelConfig
+    from loom.planner.calibrate import memory_bandwidth
 
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
-    peak = latency.measure_bandwidth()
+    peak = memory_bandwidth()
     print(f"peak read bandwidth {peak / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     rows = []
     for dtype, quant, gguf_type in LATENCY_VARIANTS:

@@ -16,18 +16,6 @@ from loom import LLM, SamplingParams
 from loom.models.config import ModelConfig
 
 
-def measure_bandwidth(seconds: float = 1.0) -> float:
-    """Peak read bandwidth in bytes/s: summing a buffer much larger than the caches."""
-    x = torch.ones(256 << 20 >> 2)  # 256 MiB of fp32
-    x.sum()
-    best, start = 0.0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        x.sum()
-        best = max(best, x.nbytes / (time.perf_counter() - t))
-    return best
-
-
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = 32) -> float:
     """Bytes of weights a decode step reads: every linear layer (and the head) once; the
     embedding contributes one row per token, which is negligible."""

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -75,11 +76,11 @@ inline float int4_at(const uint8_t* q, int64_t k) {
   return static_cast<float>((word >> (4 * ((k % 128) / 32))) & 0x0F);
 }
 
-// int4, one output row for rows m0..m0+MT of x, given as zero-padded bf16 [MT, Kp]: per group
+// int4, one output row for rows m0..m0+MT of x, given as bf16 [MT, K]: per group
 // g, scale[g] * sum x * (128 + q) + (zero[g] - 136 scale[g]) * sum x, which is sum x * w.
 // GC = group size / 32.
 template <int MT, int GC>
-inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q, const uint16_t* scale,
+inline void int4_row(const uint16_t* xb, int64_t K, const uint8_t* q, const uint16_t* scale,
                      const uint16_t* zero, const float* xsum, float* out) {
   constexpr int64_t G = 32 * GC, groups_per_block = 4 / GC;
   const int64_t groups = K / G, full_blocks = K / 128;
@@ -103,7 +104,7 @@ inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q
       const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, bf16_128, 0xEA);  // (a & b) | c
       for (int m = 0; m < MT; ++m) {
         const __m512 start = e % GC == 0 ? _mm512_setzero_ps() : acc[m];  // a group's first chunk
-        acc[m] = _mm512_dpbf16_ps(start, w, (__m512bh)_mm512_loadu_si512(xb + m * Kp + b * 128 + 32 * e));
+        acc[m] = _mm512_dpbf16_ps(start, w, (__m512bh)_mm512_loadu_si512(xb + m * K + b * 128 + 32 * e));
       }
       if ((e + 1) % GC == 0) {  // the group's last chunk: scale it into the total
         const int t = e / GC;
@@ -135,7 +136,7 @@ inline void int4_row(const uint16_t* xb, int64_t Kp, int64_t K, const uint8_t* q
   for (int m = 0; m < MT; ++m)
     for (int64_t g = first_slow_group; g < groups; ++g) {
       float acc = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) acc += bf16_to_float(xb[m * Kp + k]) * (128.f + int4_at(q, k));
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) acc += bf16_to_float(xb[m * K + k]) * (128.f + int4_at(q, k));
       out[m] += acc * bf16_to_float(scale[g]);
     }
 }
@@ -196,19 +197,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
                   zero.is_contiguous() && scale.numel() == N * groups && zero.numel() == N * groups,
               "int4_linear: scale and zero [N, K/G] bf16");
-  // x as the kernel reads it (bf16, zero-padded to Kp), and each group's sum of those values.
-  at::Tensor xb = at::zeros({M, Kp}, x.options().dtype(at::kBFloat16));
-  xb.narrow(1, 0, K).copy_(x);
-  const at::Tensor xsum = xb.narrow(1, 0, K).to(at::kFloat).reshape({M, groups, group_size}).sum(-1).contiguous();
+  // x as the kernel reads it (bf16: no copy when it already is), and each group's sum of those
+  // values, summed here rather than by tensor ops: this runs once per layer and decode step.
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* xs = xsum.data_ptr<float>();
+  std::vector<float> xsum(M * groups, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += bf16_to_float(xp[m * K + k]);
+  const float* xs = xsum.data();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
   return run_rows(M, N, x.options(), [&](auto tile, int64_t m0, int64_t n, float* vals) {
     constexpr int MT = decltype(tile)::value;
     auto row = [&](auto row_fn) {
-      row_fn(xp + m0 * Kp, Kp, K, qp + n * (Kp / 2), sp + n * groups, zp + n * groups, xs + m0 * groups, vals);
+      row_fn(xp + m0 * K, K, qp + n * (Kp / 2), sp + n * groups, zp + n * groups, xs + m0 * groups, vals);
     };
     switch (group_size) {
       case 32: row(int4_row<MT, 1>); break;

@@ -72,7 +72,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         # Compiling needs every op of a decode step to be traceable: the C++ attention is, the
         # reference attention (a Python loop over sequences) is not.
-        compile_decode = not config.enforce_eager and self.model.attention_backend == "cpp"
+        compile_decode = not config.enforce_eager and self.attention_backend == "cpp"
         self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed, self.device), self.device,
                                   self.eos_token_ids, self.swap_space, compile_decode)
         self._request_counter = itertools.count()
@@ -82,6 +82,7 @@ class LLMEngine:
         backend = attention_backend or ("cpp" if self.device.type == "cpu" else "torch")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {backend!r}, choose from {ATTENTION_BACKENDS}")
+        self.attention_backend = backend
         if backend == "cpp":
             load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
         sched, max_positions = self.config.scheduler, ModelConfig.from_dir(self.config.model).max_position_embeddings

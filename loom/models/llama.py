@@ -78,7 +78,6 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention_backend = "cpp"
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -93,7 +92,6 @@ class LlamaForCausalLM(nn.Module):
         raise KeyError(packed_name)
 
     def set_attention_backend(self, backend: str) -> None:
-        self.attention_backend = backend
         for layer in self.layers:
             layer.self_attn.attention_backend = backend
 

@@ -55,6 +55,7 @@ def _torch_dtype(dtype: str):
 
 
 def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Peak read bandwidth in bytes/s: summing a buffer much larger than the caches."""
     import torch
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     return nbytes / _best_time(lambda: x.sum(), repeats)
