@@ -91,7 +91,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    pack_linear_weights: bool = True  # oneDNN-packed weights on CPU (see loom/layers/linear.py)
+    pack_linear_weights: bool = True  # panel-layout weights for Loom's CPU kernels (loom/layers/linear.py)
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
     group_size: int = 32             # int4 group size
     # Run every step eagerly. Otherwise decode-only steps (CPU, C++ attention) go through a

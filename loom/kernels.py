@@ -4,10 +4,10 @@ Built once per machine by torch's cpp_extension (cached on disk, rebuilt when a 
 changes) with -march=native. Being real operators, with shape-only "fake" versions below,
 they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no Python.
   paged_decode_attention  decode attention over the paged KV pool (csrc/paged_attention.cpp)
-  int8_linear, int4_linear  weight-only matmuls for small batches (csrc/weight_only.cpp)
-  int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large batches
-  weight_only_vectorized  whether this build has those kernels' AVX512-BF16 paths
-  packed_linear           oneDNN's linear over a prepacked weight, for compiled graphs (csrc/packed_linear.cpp)
+  dense_linear            fp32 / bf16 linear layers over panel-layout weights (csrc/linear.cpp)
+  int8_linear, int4_linear  weight-only matmuls over the same panels (csrc/linear.cpp)
+  int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
+  linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("paged_attention.cpp", "weight_only.cpp", "packed_linear.cpp")
+SOURCES = ("paged_attention.cpp", "linear.cpp")
 
 
 @functools.cache
@@ -43,20 +43,20 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("loom::int8_linear")
     def _(x, q, scale):
-        return x.new_empty(x.shape[0], q.shape[0])
+        return x.new_empty(x.shape[0], scale.shape[0])
 
     @torch.library.register_fake("loom::int4_linear")
-    def _(x, q, scale, zero, group_size):
-        return x.new_empty(x.shape[0], q.shape[0])
+    def _(x, q, scale, zero, group_size, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("loom::int8_dequantize")
-    def _(q, scale):
-        return q.new_empty(q.shape, dtype=torch.bfloat16)
+    def _(q, scale, in_features):
+        return q.new_empty(scale.shape[0], in_features, dtype=torch.bfloat16)
 
     @torch.library.register_fake("loom::int4_dequantize")
-    def _(q, scale, zero, group_size, in_features):
-        return q.new_empty(q.shape[0], in_features, dtype=torch.bfloat16)
+    def _(q, scale, zero, group_size, in_features, out_features):
+        return q.new_empty(out_features, in_features, dtype=torch.bfloat16)
 
-    @torch.library.register_fake("loom::packed_linear")
-    def _(x, weight, bias, out_features):
+    @torch.library.register_fake("loom::dense_linear")
+    def _(x, w, out_features):
         return x.new_empty(x.shape[0], out_features)

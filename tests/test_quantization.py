@@ -9,8 +9,10 @@ from torch import nn
 
 from loom import LLM, SamplingParams
 from loom.quant.linear import WeightOnlyLinear
-from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_int4, pack_int4_for_kernel, quantize_int4,
-                                 quantize_int8, unpack_int4, unpack_int4_from_kernel)
+from loom.layers.linear import pack_pairs, unpack_pairs
+from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4,
+                                 pack_int4_for_kernel, quantize_int4, quantize_int8, unpack_int4,
+                                 unpack_groups_from_kernel, unpack_int4_from_kernel)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))}]
@@ -27,21 +29,28 @@ def test_quantization_error_bounds():
         err = (dequantize_int4(q4, scale, zero) - w).abs().reshape(64, -1, g)
         assert (err <= scale[..., None] / 2 + 1e-5).all()
         assert torch.equal(unpack_int4(pack_int4(q4)), q4)
-    for k in (96, 256, 416):  # the kernel layout pads K to a multiple of 128
-        q4 = torch.randint(0, 16, (5, k), dtype=torch.uint8)
-        assert torch.equal(unpack_int4_from_kernel(pack_int4_for_kernel(q4), k), q4)
+    # The kernels' panel layouts pad output channels to a multiple of 32 (and int8 inputs to even).
+    for n, k in ((5, 96), (32, 256), (70, 416)):
+        q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        assert torch.equal(unpack_int4_from_kernel(pack_int4_for_kernel(q4), n, k), q4)
+        groups = torch.randn(n, k // 32)
+        assert torch.equal(unpack_groups_from_kernel(pack_groups_for_kernel(groups), n), groups.bfloat16().float())
+        q8 = torch.randint(-127, 128, (n, k + 1), dtype=torch.int8)
+        assert torch.equal(unpack_pairs(pack_pairs(q8), n, k + 1), q8)
 
 
-# in_features not a multiple of 128 exercise the kernels' tails; tokens cover every row tiling.
-@pytest.mark.parametrize("method, group_size, in_features", [("int8", 32, 200), ("int4", 32, 160), ("int4", 64, 192),
-                                                              ("int4", 128, 384), ("int4", 32, 256)])
+# Odd in_features and out_features not a multiple of 32 exercise the panel layouts' padding;
+# tokens cover the row tilings (tiles of 1-3 rows alternate accumulators; 64 rows are 6 tiles of int8, 11 of int4).
+@pytest.mark.parametrize("method, group_size, in_features, out_features",
+                         [("int8", 32, 200, 96), ("int8", 32, 201, 70), ("int4", 32, 160, 96), ("int4", 64, 192, 70),
+                          ("int4", 128, 384, 96), ("int4", 32, 256, 33)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 9, 64])
-def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, tokens):
+def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, out_features, tokens):
     """Relative error (max abs / max |ref|) of each kernel against x @ dequant(W)^T in fp32,
     with x rounded to bf16 as the kernels take it: bf16 arithmetic keeps it under 1%."""
     bound = 0.01
     torch.manual_seed(0)
-    linear = nn.Linear(in_features, 96, bias=True)
+    linear = nn.Linear(in_features, out_features, bias=True)
     layer = WeightOnlyLinear.from_linear(linear, method, group_size, crossover=8)
     x = torch.randn(tokens, in_features).to(torch.bfloat16)
     ref = x.float() @ layer.dequantized().t()
@@ -68,7 +77,7 @@ def test_crossover_read_from_calibration_file(tmp_path, monkeypatch, hf_models):
     from loom.quant.dispatch import DEFAULT_CROSSOVER, crossover_path, load_crossover
 
     # Uncalibrated: the default, or 0 (always dequantize) where the kernels have no vector path.
-    vectorized = torch.ops.loom.weight_only_vectorized()
+    vectorized = torch.ops.loom.linear_vectorized()
     assert load_crossover("int4") == (DEFAULT_CROSSOVER["int4"] if vectorized else 0)
     crossover_path().parent.mkdir(parents=True, exist_ok=True)
     crossover_path().write_text(json.dumps({"crossover": {"int8": 3, "int4": 11}}))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 
@@ -48,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(lt)
     decode_run(lt, batches=[1, 8], max_tokens=128)
     lt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer (its venv build takes minutes)")
+    lt.add_argument("--rounds", type=int, default=3, help="passes over all engines; results are medians over them")
     lt.set_defaults(func=_latency)
 
     pl = sub.add_parser("planner", help="the planner's predicted decode step times vs Loom's measured ones")
@@ -256,17 +258,11 @@ LATENCY_VARIANTS = [("float32", None, "f32"), ("bfloat16", None, "bf16"), ("bflo
                     ("bfloat16", "int4", "q4_0")]
 
 
-def _latency(args: argparse.Namespace) -> None:
+def _latency_round(args: argparse.Namespace, model: Path, cfg, peak: float) -> list[dict]:
+    """One pass over every engine and variant (Loom, then its peers for the same weights)."""
     from loom.bench import latency
-    from loom.bench.report import bar_plot, write_report
     from loom.config import cache_root
-    from loom.models.config import ModelConfig
-    from loom.planner.calibrate import memory_bandwidth
 
-    model, _ = _setup(args)
-    cfg = ModelConfig.from_dir(model)
-    peak = memory_bandwidth()
-    print(f"peak read bandwidth {peak / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     rows = []
     for dtype, quant, gguf_type in LATENCY_VARIANTS:
         for batch in args.batches:
@@ -296,13 +292,71 @@ def _latency(args: argparse.Namespace) -> None:
                  "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
             rows.append(r)
             print(f"llama.cpp {gguf_type} batch 1: {r['tok_per_s']:.1f} tok/s", flush=True)
+    return rows
+
+
+def _latency_ratios(rows: list[dict]) -> dict[str, float]:
+    """The issue's comparisons within one round: Loom over each peer, quantized over bf16."""
+    def rate(engine: str, dtype: str, batch: int, quant: str | None = None) -> float | None:
+        for r in rows:
+            if (r["engine"], r["dtype"], r["batch"], r.get("quantization")) == (engine, dtype, batch, quant):
+                return r["tok_per_s"]
+        return None
+
+    ratios = {}
+    for dtype, quant, gguf_type in LATENCY_VARIANTS:
+        name = quant or dtype
+        loom1 = rate("loom", dtype, 1, quant)
+        peers = {f"{name} / llama.cpp {gguf_type}": rate("llama.cpp", gguf_type, 1),
+                 f"{name} / hf bfloat16" if quant else f"{name} / hf {dtype}": rate("hf-transformers", dtype, 1)}
+        for label, peer in peers.items():
+            if loom1 and peer:
+                ratios[f"batch 1: {label}"] = loom1 / peer
+        if quant:
+            for batch in sorted({r["batch"] for r in rows if r["batch"] > 1}):
+                q, bf16 = rate("loom", dtype, batch, quant), rate("loom", "bfloat16", batch)
+                if q and bf16:
+                    ratios[f"batch {batch}: {quant} / bf16"] = q / bf16
+    return ratios
+
+
+def _latency(args: argparse.Namespace) -> None:
+    from loom.bench.report import bar_plot, write_report
+    from loom.models.config import ModelConfig
+    from loom.planner.calibrate import memory_bandwidth
+
+    model, _ = _setup(args)
+    cfg = ModelConfig.from_dir(model)
+    peak = memory_bandwidth()
+    print(f"peak read bandwidth {peak / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+    # Whole rounds, each running every engine, so that each ratio compares runs minutes apart
+    # rather than a round apart on a shared machine; medians over rounds.
+    rounds = []
+    for i in range(args.rounds):
+        print(f"round {i + 1} of {args.rounds}", flush=True)
+        rounds.append(_latency_round(args, model, cfg, peak))
+    rows = []
+    for i, first in enumerate(rounds[0]):
+        samples = [rnd[i] for rnd in rounds]
+        row = dict(first, tok_per_s=statistics.median(r["tok_per_s"] for r in samples),
+                   steps_per_s=statistics.median(r["steps_per_s"] for r in samples),
+                   all_steps_per_s=[x for r in samples for x in r["all_steps_per_s"]],
+                   tok_per_s_rounds=[r["tok_per_s"] for r in samples])
+        if "mbu" in first:
+            row["mbu"] = statistics.median(r["mbu"] for r in samples)
+        rows.append(row)
+    per_round = [_latency_ratios(rnd) for rnd in rounds]
+    ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}
+              for k in per_round[0]}
+    for k, v in ratios.items():
+        print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
     path = write_report("latency", {"model": str(model), "prompt_len": args.prompt_len,
-                                    "max_tokens": args.max_tokens, "repeats": args.repeats,
-                                    "peak_read_GBps": peak / 1e9, "results": rows}, args.out_dir)
+                                    "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
+                                    "peak_read_GBps": peak / 1e9, "results": rows, "ratios": ratios}, args.out_dir)
     batch1 = [r for r in rows if r["batch"] == 1]
     bar_plot(path.with_suffix(".png"), f"Batch-1 decode, prompt {args.prompt_len}, {args.threads} threads",
              [f"{'Loom' if r['engine'] == 'loom' else r['engine']}\n{r.get('quantization') or r['dtype']}"
-              for r in batch1], [r["tok_per_s"] for r in batch1], "tokens/s (median)")
+              for r in batch1], [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
     print(f"wrote {path}")
 
 

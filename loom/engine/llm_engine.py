@@ -21,7 +21,7 @@ from loom.kernels import load_kernels
 from loom.kv.attention import ATTENTION_BACKENDS
 from loom.kv.cache import KVCache, kv_bytes_per_block
 from loom.kv.swap import SwapSpace
-from loom.layers.linear import can_pack, pack_linears
+from loom.layers.linear import panel_kernels_available, use_panel_linears
 from loom.layers.sampler import Sampler
 from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
@@ -101,8 +101,8 @@ class LLMEngine:
                 raise ValueError(f"quantization: {self.config.model} is already quantized "
                                  f"({model.config.quantization['method']}); load it without quantization=")
             quantize_model(model, self.config.quantization, self.config.group_size)
-        if self.config.pack_linear_weights and can_pack(self.device):
-            pack_linears(model)
+        if self.config.pack_linear_weights and panel_kernels_available(self.device):
+            use_panel_linears(model)
         return model
 
     def _allocate_kv(self) -> tuple[KVCache, SwapSpace | None, BlockManager]:

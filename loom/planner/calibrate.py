@@ -66,7 +66,7 @@ def _loom_linear(base: nn.Linear, dtype: str) -> nn.Module:
     import torch
     from torch import nn
 
-    from loom.layers.linear import PackedLinear
+    from loom.layers.linear import DenseLinear, panel_kernels_available
     from loom.quant.dispatch import load_crossover
     from loom.quant.linear import WeightOnlyLinear
 
@@ -75,11 +75,11 @@ def _loom_linear(base: nn.Linear, dtype: str) -> nn.Module:
     linear = nn.Linear(base.in_features, base.out_features, bias=False, dtype=_torch_dtype(dtype))
     with torch.no_grad():
         linear.weight.copy_(base.weight)
-    return PackedLinear(linear)
+    return DenseLinear(linear) if panel_kernels_available(torch.device("cpu")) else linear
 
 
 def gemm_flops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of Loom's linear layer (oneDNN-packed weights: 2-3x torch.mm in fp32 on some CPUs)
+    """FLOP/s of Loom's linear layer (panel-layout weights: 2-3x torch.mm in fp32 on some CPUs)
     over n tokens of an n x n weight."""
     import torch
     from torch import nn

@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> None:
     if args.calibrate:
         from loom.quant.dispatch import calibrate, save_calibration
 
-        result = calibrate([1, 2, 4, 8, 16, 32, 64, 128, 256])
+        result = calibrate([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
         path = save_calibration(result, args.plot)
         print(f"crossover (largest tokens per step where the weight-only kernel wins): {result['crossover']}")
         print(f"wrote {path} and {args.plot}")

@@ -17,10 +17,10 @@ from loom.kernels import load_kernels
 
 logger = logging.getLogger(__name__)
 
-# Used until `loom quantize --calibrate` has measured this machine: on the CPUs this project
-# measured (AVX512-BF16), Loom's weight-only kernels beat dequantize-then-GEMM up to 32 tokens
-# (int8) and 8 (int4); 8 is safe for both.
-DEFAULT_CROSSOVER = {"int8": 8, "int4": 8}
+# Used until `loom quantize --calibrate` has measured this machine: on the CPU this project
+# measured (AVX512-BF16), Loom's weight-only kernels beat dequantize-then-GEMM up to 1024 tokens
+# on 4096 x 4096 layers and up to ~256 on the 134M reference model's smaller ones.
+DEFAULT_CROSSOVER = {"int8": 256, "int4": 256}
 
 
 def crossover_path() -> Path:
@@ -32,7 +32,7 @@ def load_crossover(method: str) -> int:
     if path.is_file():
         return int(json.loads(path.read_text())["crossover"][method])
     load_kernels()
-    if not torch.ops.loom.weight_only_vectorized():
+    if not torch.ops.loom.linear_vectorized():
         # Without AVX512-BF16 the weight-only kernels are plain loops, far slower than any GEMM.
         logger.warning("this CPU lacks AVX512-BF16: quantized layers dequantize to bf16 at every step "
                        "(run `loom quantize --calibrate` to measure instead)")
@@ -59,15 +59,15 @@ def calibrate(tokens: list[int], in_features: int = 4096, out_features: int = 40
     count up to which the weight-only kernel is always faster. The unquantized bf16 layer is
     timed too, as the reference both should approach. Each timing cycles through `copies`
     different matrices, more than the caches hold, so weights come from memory as in a model."""
-    from loom.layers.linear import PackedLinear, can_pack
+    from loom.layers.linear import DenseLinear, panel_kernels_available
     from loom.quant.linear import WeightOnlyLinear
 
     bases = [torch.nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
     result: dict = {"in_features": in_features, "out_features": out_features, "group_size": group_size,
                     "copies": copies, "threads": torch.get_num_threads(), "tokens": tokens, "ms": {},
                     "crossover": {}}
-    pack = can_pack(torch.device("cpu"))
-    reference = [PackedLinear(b.to(torch.bfloat16)) if pack else b.to(torch.bfloat16) for b in bases]
+    panels = panel_kernels_available(torch.device("cpu"))
+    reference = [DenseLinear(b.to(torch.bfloat16)) if panels else b.to(torch.bfloat16) for b in bases]
     inputs = {m: torch.randn(m, in_features, dtype=torch.bfloat16) for m in tokens}
     result["ms"]["bf16"] = [_median_ms(reference, inputs[m], repeats) for m in tokens]
     del reference

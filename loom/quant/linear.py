@@ -1,10 +1,10 @@
 """Weight-only quantized linear layers, swapped in for nn.Linear.
 
 The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
-(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/weight_only.cpp) read the compressed
-weights and win while the step is small (decode); past the measured crossover (dispatch.py)
-the layer dequantizes to bf16 and runs an ordinary GEMM, which wins on large batches and
-prefill. The layer keeps only the kernel's form of the weights; `portable()` gives back the
+(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/linear.cpp) read the compressed
+weights, widen them in registers and win from decode up to a few hundred tokens per step; past
+the measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary GEMM,
+which wins on large prefill chunks. The layer keeps only the kernel's form of the weights; `portable()` gives back the
 checkpoint form.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from loom.kernels import load_kernels
-from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_int4_for_kernel, quantize_int4,
-                                 quantize_int8, unpack_int4_from_kernel)
+from loom.layers.linear import pack_pairs, unpack_pairs
+from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4_for_kernel,
+                                 quantize_int4, quantize_int8, unpack_groups_from_kernel, unpack_int4_from_kernel)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -24,8 +25,8 @@ class WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size, self.crossover = method, group_size, crossover
         self.bias = bias
-        # Set by `load_quantized`. int8: q [N, K] int8, scales [N] fp32. int4: q in the
-        # kernel's packed layout, scales and zeros [N, K/G] bf16.
+        # Set by `load_quantized`, in the kernels' panel layouts (csrc/linear.cpp). int8:
+        # scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
         self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
@@ -45,39 +46,43 @@ class WeightOnlyLinear(nn.Module):
         """The portable form: int8 q [N, K] with fp32 scales [N]; or int4 values 0..15 as
         uint8 [N, K] with scales and zeros [N, K/G]."""
         load_kernels()
+        # The packers write fresh, aligned tensors: a checkpoint's can sit at any offset of its buffer.
         if self.method == "int8":
-            # A fresh, aligned copy: tensors read from a checkpoint can sit at any offset of its buffer.
-            self.q = q.clone(memory_format=torch.contiguous_format)
+            self.q = pack_pairs(q)
             self.scales = scales.float().contiguous()
         else:
             self.q = pack_int4_for_kernel(q)
             # bf16, as the kernel reads them (torch's int4 kernel makes the same choice).
-            self.scales, self.zeros = scales.to(torch.bfloat16).contiguous(), zeros.to(torch.bfloat16).contiguous()
+            self.scales, self.zeros = pack_groups_for_kernel(scales), pack_groups_for_kernel(zeros)
 
     def portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q, scales, zeros) as `load_quantized` takes them: what a checkpoint stores."""
+        n, k = self.out_features, self.in_features
         if self.method == "int8":
-            return self.q, self.scales, None
-        return unpack_int4_from_kernel(self.q, self.in_features), self.scales.float(), self.zeros.float()
+            return unpack_pairs(self.q, n, k), self.scales, None
+        return (unpack_int4_from_kernel(self.q, n, k), unpack_groups_from_kernel(self.scales, n),
+                unpack_groups_from_kernel(self.zeros, n))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight matrix [N, K] as the kernels see it (plain PyTorch: the reference)."""
+        q, scales, zeros = self.portable()
         if self.method == "int8":
-            return dequantize_int8(self.q, self.scales, dtype)
-        return dequantize_int4(unpack_int4_from_kernel(self.q, self.in_features), self.scales, self.zeros, dtype)
+            return dequantize_int8(q, scales, dtype)
+        return dequantize_int4(q, scales, zeros, dtype)
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed-weight kernel; x [M, K] -> [M, N] in x's dtype."""
         if self.method == "int8":
             return torch.ops.loom.int8_linear(x, self.q, self.scales)
-        return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size)
+        return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size, self.out_features)
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize straight to bf16 (C++, no fp32 copy of the matrix), then a bf16 GEMM."""
         if self.method == "int8":
-            w = torch.ops.loom.int8_dequantize(self.q, self.scales)
+            w = torch.ops.loom.int8_dequantize(self.q, self.scales, self.in_features)
         else:
-            w = torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features)
+            w = torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features,
+                                               self.out_features)
         return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

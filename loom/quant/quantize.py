@@ -3,12 +3,15 @@
 int8: symmetric absmax per output channel, w ~= q * scale, q in [-127, 127].
 int4: asymmetric min-max per group of `group_size` inputs, w ~= (q - 8) * scale + zero with
 q in [0, 15] (the convention of torch's int4 CPU kernel).
-On disk int4 values are two per byte, the even input index in the low nibble; in memory they
-take the layout of Loom's int4 kernel (`pack_int4_for_kernel`).
+On disk int4 values are two per byte, the even input index in the low nibble. In memory both
+formats take the panel layouts of Loom's kernels (int8: `loom.layers.linear.pack_pairs`;
+int4: `pack_int4_for_kernel`).
 """
 from __future__ import annotations
 
 import torch
+
+from loom.layers.linear import PANEL, pad_channels
 
 METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -64,21 +67,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4_for_kernel(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> [N, Kp/2] bytes in the layout of `loom::int4_linear`
-    (csrc/weight_only.cpp): K padded to Kp, a multiple of 128; in each 128-weight block,
-    nibble e of 16-bit word i holds weight 32e + i."""
+    """[N, K] values 0..15 (K a multiple of 8) -> [ceil(N/32), K/8 * 128] bytes in the layout of
+    `loom::int4_linear`: per panel and quad d of inputs 8d .. 8d + 7, two halves of 16
+    channels, each 32 16-bit words; nibble e of word 2j + t is input 8d + 2e + t of channel j."""
+    q = pad_channels(q.to(torch.int32))
     n, k = q.shape
-    kp = -(-k // 128) * 128
-    padded = torch.zeros(n, kp, dtype=torch.int32)
-    padded[:, :k] = q
-    e = padded.view(n, kp // 128, 4, 32)
-    words = e[:, :, 0] | (e[:, :, 1] << 4) | (e[:, :, 2] << 8) | (e[:, :, 3] << 12)
-    return words.to(torch.int16).contiguous().view(torch.uint8).reshape(n, kp // 2)
+    v = q.view(n // PANEL, 2, 16, k // 8, 4, 2).permute(0, 3, 1, 2, 5, 4)  # panel, quad, half, j, t, e
+    words = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
+    return words.to(torch.int16).contiguous().view(torch.uint8).view(n // PANEL, -1)
 
 
-def unpack_int4_from_kernel(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of `pack_int4_for_kernel`: [N, Kp/2] bytes -> [N, K] values 0..15 (uint8)."""
-    n = packed.shape[0]
-    words = packed.contiguous().view(torch.int16).view(n, -1, 1, 32).int() & 0xFFFF
-    nibbles = (words >> torch.tensor([0, 4, 8, 12]).view(1, 1, 4, 1)) & 0x0F
-    return nibbles.reshape(n, -1)[:, :k].to(torch.uint8)
+def unpack_int4_from_kernel(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4_for_kernel`: -> [N, K] values 0..15 (uint8)."""
+    words = packed.contiguous().view(torch.int16).int().view(-1, k // 8, 2, 16, 2, 1) & 0xFFFF
+    nibbles = (words >> torch.tensor([0, 4, 8, 12]).view(1, 1, 1, 1, 1, 4)) & 0x0F  # panel, quad, half, j, t, e
+    return nibbles.permute(0, 2, 3, 1, 5, 4).reshape(-1, k)[:n].to(torch.uint8).contiguous()
+
+
+def pack_groups_for_kernel(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zeros [N, K/G] -> bf16 [ceil(N/32), K/G, 32], as `loom::int4_linear` reads them."""
+    t = pad_channels(t.to(torch.bfloat16))
+    return t.view(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def unpack_groups_from_kernel(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].float()
