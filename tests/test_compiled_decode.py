@@ -5,6 +5,7 @@ compiled graph sees batch sizes shrink and contexts cross block boundaries (dyna
 from __future__ import annotations
 
 import pytest
+from conftest import build_hf_model
 
 from loom import LLM, SamplingParams
 
@@ -35,3 +36,20 @@ def test_reference_attention_runs_eagerly(hf_models):
     model_dir, _ = hf_models("llama_gqa")
     llm = LLM(str(model_dir), enforce_eager=False, attention_backend="torch")
     assert llm.engine.runner.decode_forward is None
+
+
+def test_engines_keep_their_own_graphs(tmp_path):
+    """The compiled graphs skip guards on modules and parameters, so each engine must own its
+    graphs: two live engines over same-shaped models, one of them quantized, called in
+    turn, each still generates what its eager run does."""
+    dirs = [tmp_path / f"seed{seed}" for seed in (1, 2)]
+    for seed, d in enumerate(dirs, 1):
+        build_hf_model(d, "llama_gqa", seed=seed)
+    kwargs = [dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="int8")]
+    eager = [run(d, True, **kw)[0] for d, kw in zip(dirs, kwargs)]
+    assert eager[0] != eager[1]
+    engines = [LLM(str(d), enforce_eager=False, **kw) for d, kw in zip(dirs, kwargs)]
+    for _ in range(2):  # the second round runs on graphs both engines have already compiled
+        for llm, expected in zip(engines, eager):
+            outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == expected

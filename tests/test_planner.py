@@ -229,8 +229,9 @@ def test_calibrated_prediction_matches_loom_decode(tmp_path, monkeypatch, capsys
     shape = from_hf_config(model_dir)
     lines, errors = [], []
     for batch in (1, 8):
-        run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=3)
-        measured = 1 / run["steps_per_s"]
+        # The fastest of the runs, as every calibration figure is: the slower runs measure the neighbours.
+        run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=5)
+        measured = 1 / max(run["all_steps_per_s"])
         predicted = predict_decode_step(shape, hw, batch, "bf16", context=64 + 8)
         errors.append(predicted / measured - 1)
         lines.append(f"batch {batch}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "

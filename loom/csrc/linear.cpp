@@ -1,26 +1,31 @@
 // Loom's linear layers on CPU, y = x W^T, for every weight format: fp32 and bf16 (dense), int8
-// and int4 (weight-only: kept compressed in memory, widened to bf16 in registers). Each weight
-// byte is read once per step; at batch 1 memory bandwidth sets the speed, and with more rows of
-// x each weight vector feeds one dot product per row, GEMM style.
+// and int4 (weight-only: kept compressed in memory, never widened to floats on the decode path).
+// Each weight byte is read once per step; at batch 1 memory bandwidth sets the speed, and with
+// more rows of x each weight vector feeds one dot product per row, GEMM style.
 //
 // Every format is stored in panels of 32 output channels, so that a vector holds 16 output
 // channels (no horizontal sums, one broadcast activation per dot product). Panel P covers
-// channels 32P .. 32P + 31 (N is padded with zero channels to a multiple of 32); "pair" p is
-// inputs (2p, 2p + 1), the two bf16 values one dword lane of a bf16 dot product takes.
+// channels 32P .. 32P + 31 (N is padded with zero channels to a multiple of 32).
 //   fp32: w [ceil(N/32), K * 32] fp32: input k of panel P is 32 floats, channel-major; fp32 fma.
-//   bf16: w [ceil(N/32), ceil(K/2) * 64] bf16: pair p of panel P is 64 values, element 2c + t
-//         is weight (32P + c, 2p + t) (K padded to even with zeros); bf16 dot products.
-//   int8: q in the bf16 layout's order, as int8; scale [N] fp32; w = q * scale. Widened exactly
-//         to bf16 (|q| <= 127), scaled per channel at the end.
-//   int4: q [ceil(N/32), K/8 * 128] uint8, K a multiple of 32. Quad d (inputs 8d .. 8d + 7) of
-//         panel P is 128 bytes: two halves of 16 channels, each 32 little-endian 16-bit words;
-//         nibble e of word 2j + t in half h is weight (32P + 16h + j, 8d + 2e + t).
-//         scale, zero [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4
-//         convention). OR-ing 0x4300 into a 16-bit word holding n in 0..15 makes the bf16
-//         number 128 + n exactly: one shift and one ternary-logic op per 32 weights, no
-//         shuffles; each group is then scaled once, with its offset times the group's sum of x.
+//   bf16: w [ceil(N/32), ceil(K/2) * 64] bf16: "pair" p (inputs 2p, 2p + 1) of panel P is 64
+//         values, element 2c + t is weight (32P + c, 2p + t) (K padded to even); bf16 dot products.
+//   int8: u = q + 128 [ceil(N/32), ceil(K/4) * 128] uint8; scale [N] fp32; w = q * scale. Quad d
+//         (inputs 4d .. 4d + 3) of panel P is two halves of 64 bytes; byte 4j + t of half h is
+//         u of weight (32P + 16h + j, 4d + t): one dword lane per channel, as a uint8 x int8
+//         dot product (vpdpbusd) takes it.
+//   int4: q [ceil(N/32), K/8 * 128] uint8, K a multiple of 32. Octet d (inputs 8d .. 8d + 7) of
+//         panel P is two halves of 64 bytes; byte 4j + t of half h holds weight (32P + 16h + j,
+//         8d + t) in its low nibble and (.., 8d + 4 + t) in its high nibble. scale, zero
+//         [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4 convention).
+//
+// The weight-only kernels never turn weights into floats (the costly step on CPUs without fp16
+// arithmetic). Each row of x becomes 15-bit fixed point, x ~= s * a with s = max|x| / 16383 and
+// a = 128 hi + lo (hi in [-128, 127], lo in [0, 127], both exact int8), and the weights' unsigned
+// bytes meet hi and lo in integer dot products accumulated exactly in int32: the result is
+// exactly W (s a) up to fp32 rounding of the final scaling. The rounding of x, |x - s a| <= s / 2
+// = max|x| / 32766, is finer than bf16's for every element within 1/64 of the row's largest.
 // loom/layers/linear.py and loom/quant/quantize.py build the layouts. Panels are split across
-// threads; every thread keeps x in cache. Without AVX-512 (BF16) the quantized kernels
+// threads; every thread keeps x in cache. Without AVX-512 (BF16, VNNI) the quantized kernels
 // dequantize with plain loops and call a bf16 GEMM (correct, slow), and the engine leaves dense
 // layers to torch.
 #include <torch/library.h>
@@ -28,7 +33,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -38,9 +45,16 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LOOM_LINEAR_VECTORIZED 1
+#endif
+
 namespace {
 
 constexpr int64_t kPanel = 32;  // output channels per panel
+constexpr float kFixedPointMax = 16383.f;  // |a| of the fixed-point activations: 128 hi + lo, hi in int8
+// int8 accumulates K / 4 dot products of at most 4 * 255 * 128 per int32 lane.
+constexpr int64_t kMaxInt8InFeatures = 65536;
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
@@ -52,15 +66,17 @@ inline uint16_t float_to_bf16(float f) {
 
 inline int64_t panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
-// One weight from each layout (the plain-loop paths).
-inline int8_t int8_at(const int8_t* q, int64_t pairs, int64_t n, int64_t k) {
-  return q[(n / kPanel) * pairs * 64 + (k / 2) * 64 + (n % kPanel) * 2 + k % 2];
+// Byte offset of weight (n, k) in the int8 and int4 layouts: panel, then 4 (int8) or 8 (int4)
+// inputs at a time, then the channel's half, then its dword lane.
+inline int64_t quantized_offset(int64_t n, int64_t k, int64_t steps, int64_t inputs_per_step) {
+  const int64_t c = n % kPanel;
+  return (n / kPanel) * steps * 128 + (k / inputs_per_step) * 128 + (c / 16) * 64 + (c % 16) * 4 + k % 4;
 }
-inline int int4_at(const uint8_t* q, int64_t K, int64_t n, int64_t k) {
-  const int64_t c = n % kPanel, word = 2 * (c % 16) + k % 2;
-  const uint8_t* half = q + (n / kPanel) * (K / 8) * 128 + (k / 8) * 128 + (c / 16) * 64;
-  const uint16_t bits = static_cast<uint16_t>(half[2 * word] | (half[2 * word + 1] << 8));
-  return (bits >> (4 * ((k % 8) / 2))) & 0x0F;
+inline int int8_at(const uint8_t* u, int64_t quads, int64_t n, int64_t k) {
+  return static_cast<int>(u[quantized_offset(n, k, quads, 4)]) - 128;
+}
+inline int int4_at(const uint8_t* q, int64_t octets, int64_t n, int64_t k) {
+  return (q[quantized_offset(n, k, octets, 8)] >> ((k % 8) / 4 * 4)) & 0x0F;
 }
 
 // Calls f(m0, std::integral_constant<int, rows>) over M rows of x in near-equal tiles of at most
@@ -81,7 +97,7 @@ inline void for_each_tile(int64_t M, F f) {
   }
 }
 
-// x as the kernels read it: bf16, contiguous, K padded to `padded_k` with zeros.
+// x as the dense bf16 kernel reads it: bf16, contiguous, K padded to `padded_k` with zeros.
 at::Tensor bf16_input(const at::Tensor& x, int64_t padded_k) {
   at::Tensor xb = x.to(at::kBFloat16).contiguous();
   return padded_k == x.size(1) ? xb : at::constant_pad_nd(xb, {0, padded_k - x.size(1)});
@@ -91,17 +107,9 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-constexpr int kTileRows = 12;     // rows of x per register tile: 24 accumulators
-constexpr int kInt4TileRows = 8;  // int4 also holds a group's scales and offsets (measured best)
-
-// 32 int8 as 32 bf16, in order (exact).
-inline __m512bh widen_int8(const int8_t* q) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
+#ifdef LOOM_LINEAR_VECTORIZED
+constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
+constexpr int kIntTileRows = 6;     // int8 / int4: four accumulators a row
 
 // x[m, 2p], x[m, 2p + 1] in every lane.
 inline __m512bh pair_of(const uint16_t* x, int64_t p) {
@@ -110,9 +118,21 @@ inline __m512bh pair_of(const uint16_t* x, int64_t p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
+// Four int8 activations in every lane.
+inline __m512i quad_of(const int8_t* a) {
+  int32_t quad;
+  std::memcpy(&quad, a, sizeof quad);
+  return _mm512_set1_epi32(quad);
+}
+
 // 16 bf16 -> fp32.
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Sum of 128 hi + lo accumulators as fp32.
+inline __m512 fixed_point_sum(__m512i hi, __m512i lo) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(128.f), _mm512_cvtepi32_ps(lo));
 }
 
 // Stores the two vectors of a panel's row (channels n0 .. n0 + 31 of `valid`), times `scale`
@@ -132,13 +152,13 @@ inline void store_panel_row(Out* y, __m512 v0, __m512 v1, const float* scale, in
   }
 }
 
-// MR rows of x times one panel -> y rows (stride ldy), channels scaled by `scale` when given.
-// Step s of the panel broadcasts 32 bits of each row of x (x32, row stride ldx in those units:
-// a bf16 pair, or one fp32) and meets the weight vectors weights(s, h) of channel halves h = 0, 1
-// in dot(accumulator, weights, broadcast): a bf16 pair dot product, or an fp32 fma.
+// MR rows of x times one dense panel -> y rows (stride ldy). Step s of the panel broadcasts 32
+// bits of each row of x (x32, row stride ldx in those units: a bf16 pair, or one fp32) and meets
+// the weight vectors weights(s, h) of channel halves h = 0, 1 in dot(accumulator, weights,
+// broadcast): a bf16 pair dot product, or an fp32 fma.
 template <int MR, typename Out, typename Weights, typename Dot>
-inline void panel_tile(const uint32_t* x32, int64_t ldx, int64_t steps, Weights weights, Dot dot, const float* scale,
-                       int64_t valid, Out* y, int64_t ldy) {
+inline void panel_tile(const uint32_t* x32, int64_t ldx, int64_t steps, Weights weights, Dot dot, int64_t valid,
+                       Out* y, int64_t ldy) {
   constexpr int U = MR >= 4 ? 1 : 2;  // few rows: alternate accumulators to hide the dot product's latency
   __m512 acc[U][MR][2];
   for (int u = 0; u < U; ++u)
@@ -160,55 +180,127 @@ inline void panel_tile(const uint32_t* x32, int64_t ldx, int64_t steps, Weights 
   for (int m = 0; m < MR; ++m) {
     for (int u = 1; u < U; ++u)
       for (int h = 0; h < 2; ++h) acc[0][m][h] = _mm512_add_ps(acc[0][m][h], acc[u][m][h]);
-    store_panel_row(y + m * ldy, acc[0][m][0], acc[0][m][1], scale, valid);
+    store_panel_row(y + m * ldy, acc[0][m][0], acc[0][m][1], nullptr, valid);
   }
 }
 
-// The two dot products, as types (a function pointer would not be inlined).
+// The two dense dot products, as types (a function pointer would not be inlined).
 constexpr auto dot_bf16 = [](__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); };
 constexpr auto dot_fp32 = [](__m512 acc, __m512i w, __m512i x) {
   return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
 };
+#endif
 
-// MR rows of x times one int4 panel. Per group: sum over its quads of x * (128 + q) in the
-// accumulators, then total += scale * that + (zero - 136 scale) * (the group's sum of x). The
-// totals live in L1 (a stack array), leaving every register to the accumulators.
-template <int MR, typename Out>
-inline void int4_tile(const uint16_t* x, int64_t ldx, int64_t groups, int64_t quads_per_group, const uint8_t* panel,
-                      const uint16_t* scale, const uint16_t* zero, const float* xsum, int64_t valid, Out* y,
-                      int64_t ldy) {
-  constexpr int U = MR >= 4 ? 1 : 4;  // few rows: one accumulator per nibble position
-  const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-  alignas(64) float total[MR][kPanel] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[U][MR][2];
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_ps();
-    for (int64_t d = g * quads_per_group; d < (g + 1) * quads_per_group; ++d) {
-      const __m512i block[2] = {_mm512_loadu_si512(panel + d * 128), _mm512_loadu_si512(panel + d * 128 + 64)};
-      for (int e = 0; e < 4; ++e) {  // constant trip count: unrolled
-        __m512bh b[2];
-        for (int h = 0; h < 2; ++h)  // (words >> 4e) & 0xF | 0x4300
-          b[h] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(block[h], 4 * e), nibble, bf16_128, 0xEA);
-        for (int m = 0; m < MR; ++m) {
-          const __m512bh a = pair_of(x + m * ldx, 4 * d + e);
-          for (int h = 0; h < 2; ++h) acc[e % U][m][h] = _mm512_dpbf16_ps(acc[e % U][m][h], b[h], a);
-        }
-      }
+// Rows of x as 15-bit fixed point (see the top of this file): x[m, k] ~= scale[m] * (128 hi + lo),
+// K padded with zeros to `padded_k`; sums[m, g] = (sum of hi, sum of lo) over group g of `group`
+// inputs.
+struct FixedPointRows {
+  int64_t stride;
+  std::vector<int8_t> hi, lo;      // [M, stride]
+  std::vector<float> scale;        // [M]
+  std::vector<int32_t> sums;       // [M, groups, 2]
+  int64_t groups;
+};
+
+#ifdef LOOM_LINEAR_VECTORIZED
+// 16 inputs of a row (fewer at its end: `live`) as fp32.
+inline __m512 load_row(const float* x, __mmask16 live) { return _mm512_maskz_loadu_ps(live, x); }
+inline __m512 load_row(const uint16_t* x, __mmask16 live) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, x)), 16));
+}
+
+template <typename T>
+void fixed_point_row(const T* x, int64_t K, int64_t group, FixedPointRows& r, int64_t m) {
+  auto live = [&](int64_t k) { return static_cast<__mmask16>(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1); };
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(load_row(x + k, live(k))));
+  const float top = _mm512_reduce_max_ps(largest);
+  const float s = top > 0.f ? top / kFixedPointMax : 1.f;
+  r.scale[m] = s;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(kFixedPointMax)), low7 = _mm512_set1_epi32(127);
+  int8_t* hi = r.hi.data() + m * r.stride;
+  int8_t* lo = r.lo.data() + m * r.stride;
+  for (int64_t g = 0; g < r.groups; ++g) {
+    __m512i hi_sum = _mm512_setzero_si512(), lo_sum = _mm512_setzero_si512();
+    for (int64_t k = g * group; k < std::min((g + 1) * group, K); k += 16) {
+      const __mmask16 mask = live(k);
+      // Rounded to nearest even; |x / s| <= 16383 up to the rounding of 1 / s: clamped so hi stays int8.
+      __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(load_row(x + k, mask), inv));
+      a = _mm512_max_epi32(_mm512_min_epi32(a, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      const __m512i h = _mm512_maskz_mov_epi32(mask, _mm512_srai_epi32(a, 7)), l = _mm512_maskz_mov_epi32(mask, _mm512_and_si512(a, low7));
+      _mm512_mask_cvtepi32_storeu_epi8(hi + k, mask, h);
+      _mm512_mask_cvtepi32_storeu_epi8(lo + k, mask, l);
+      hi_sum = _mm512_add_epi32(hi_sum, h);
+      lo_sum = _mm512_add_epi32(lo_sum, l);
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m512 s = widen_bf16(scale + g * kPanel + 16 * h);
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, widen_bf16(zero + g * kPanel + 16 * h));
-      for (int m = 0; m < MR; ++m) {
-        __m512 sum = acc[0][m][h];
-        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][h]);
-        __m512 t = _mm512_fmadd_ps(sum, s, _mm512_load_ps(total[m] + 16 * h));
-        _mm512_store_ps(total[m] + 16 * h, _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), t));
-      }
-    }
+    r.sums[(m * r.groups + g) * 2] = _mm512_reduce_add_epi32(hi_sum);
+    r.sums[(m * r.groups + g) * 2 + 1] = _mm512_reduce_add_epi32(lo_sum);
   }
-  for (int m = 0; m < MR; ++m)
-    store_panel_row(y + m * ldy, _mm512_load_ps(total[m]), _mm512_load_ps(total[m] + 16), nullptr, valid);
+}
+
+FixedPointRows fixed_point_rows(const at::Tensor& x, int64_t padded_k, int64_t group) {
+  const at::Tensor xc = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) ? x.contiguous()
+                                                                                               : x.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  FixedPointRows r{padded_k, std::vector<int8_t>(M * padded_k, 0), std::vector<int8_t>(M * padded_k, 0),
+                   std::vector<float>(M), std::vector<int32_t>(M * (padded_k / group) * 2), padded_k / group};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (xc.scalar_type() == at::kBFloat16)
+        fixed_point_row(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, group, r, m);
+      else
+        fixed_point_row(xc.data_ptr<float>() + m * K, K, group, r, m);
+    }
+  });
+  return r;
+}
+#endif
+
+// Calls f(panel) for every panel across torch's threads. Each thread streams its own contiguous
+// share of the panels front to back, as a static split would; a thread that runs out of work
+// then takes panels from the back of the share with the most left. On a shared machine one core
+// is often slower than the other (measured here: a 2x gap in whole decode steps), and with a
+// static split every step would wait for it.
+template <typename F>
+void for_each_panel(int64_t num_panels, F f) {
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), num_panels);
+  if (T <= 1 || at::in_parallel_region()) {
+    for (int64_t p = 0; p < num_panels; ++p) f(p);
+    return;
+  }
+  // Share t is [front, back) packed in one word, so that the owner (front) and thieves (back)
+  // claim panels with one compare-and-swap each.
+  struct alignas(64) Share { std::atomic<uint64_t> range; };
+  std::vector<Share> shares(T);
+  for (int64_t t = 0; t < T; ++t)
+    shares[t].range = (static_cast<uint64_t>(num_panels * t / T) << 32) | static_cast<uint64_t>(num_panels * (t + 1) / T);
+  auto claim = [&](Share& share, bool from_front) -> int64_t {
+    uint64_t r = share.range.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t front = r >> 32, back = r & 0xFFFFFFFFu;
+      if (front >= back) return -1;
+      const uint64_t next = from_front ? ((front + 1) << 32) | back : (front << 32) | (back - 1);
+      if (share.range.compare_exchange_weak(r, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(from_front ? front : back - 1);
+    }
+  };
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t p = claim(shares[t], true); p >= 0; p = claim(shares[t], true)) f(p);
+      while (true) {  // help the share with the most panels left
+        int64_t victim = -1, most = 0;
+        for (int64_t v = 0; v < T; ++v) {
+          const uint64_t r = shares[v].range.load(std::memory_order_relaxed);
+          const int64_t left = static_cast<int64_t>(r & 0xFFFFFFFFu) - static_cast<int64_t>(r >> 32);
+          if (left > most) most = left, victim = v;
+        }
+        if (victim < 0) break;
+        const int64_t p = claim(shares[victim], false);
+        if (p >= 0) f(p);
+      }
+    }
+  });
 }
 
 // y [M, N] in x's dtype (fp32 or bf16 written by the tiles; others converted from fp32);
@@ -216,9 +308,8 @@ inline void int4_tile(const uint16_t* x, int64_t ldx, int64_t groups, int64_t qu
 template <int MaxRows, typename Tile>
 at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
   auto run = [&](auto* yp) {
-    at::parallel_for(0, panels(N), 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        for_each_tile<MaxRows>(M, [&](int64_t m0, auto rows) { tile(p, m0, rows, yp + m0 * N + p * kPanel); });
+    for_each_panel(panels(N), [&](int64_t p) {
+      for_each_tile<MaxRows>(M, [&](int64_t m0, auto rows) { tile(p, m0, rows, yp + m0 * N + p * kPanel); });
     });
   };
   if (x.scalar_type() == at::kBFloat16) {
@@ -231,7 +322,104 @@ at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
   return output_like(y, x);
 }
 
-// r[i] lane j -> r[j] lane i, for 16 vectors of 16 dwords (each dword a bf16 pair).
+#ifdef LOOM_LINEAR_VECTORIZED
+// MR rows of x times one int8 panel. Per quad of inputs and row: two dot products per channel
+// half (hi and lo), accumulated in int32. Then sum(q a) = sum(u a) - 128 sum(a) for each piece.
+template <int MR, typename Out>
+inline void int8_tile(const FixedPointRows& a, int64_t m0, int64_t quads, const uint8_t* panel, const float* scale,
+                      int64_t valid, Out* y, int64_t ldy) {
+  constexpr int U = MR >= 3 ? 1 : 2;  // few rows: alternate accumulators to hide the dot product's latency
+  __m512i hi[U][MR][2], lo[U][MR][2];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < 2; ++h) hi[u][m][h] = lo[u][m][h] = _mm512_setzero_si512();
+  auto step = [&](auto u, int64_t d) {
+    const __m512i w0 = _mm512_loadu_si512(panel + d * 128), w1 = _mm512_loadu_si512(panel + d * 128 + 64);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i ah = quad_of(a.hi.data() + (m0 + m) * a.stride + 4 * d);
+      const __m512i al = quad_of(a.lo.data() + (m0 + m) * a.stride + 4 * d);
+      hi[u][m][0] = _mm512_dpbusd_epi32(hi[u][m][0], w0, ah);
+      hi[u][m][1] = _mm512_dpbusd_epi32(hi[u][m][1], w1, ah);
+      lo[u][m][0] = _mm512_dpbusd_epi32(lo[u][m][0], w0, al);
+      lo[u][m][1] = _mm512_dpbusd_epi32(lo[u][m][1], w1, al);
+    }
+  };
+  int64_t d = 0;
+  for (; d + U <= quads; d += U) {
+    step(std::integral_constant<int, 0>{}, d);
+    if constexpr (U > 1) step(std::integral_constant<int, 1>{}, d + 1);
+  }
+  for (; d < quads; ++d) step(std::integral_constant<int, 0>{}, d);
+  for (int m = 0; m < MR; ++m) {
+    const int32_t* sums = a.sums.data() + (m0 + m) * 2;
+    const __m512i hi_offset = _mm512_set1_epi32(128 * sums[0]), lo_offset = _mm512_set1_epi32(128 * sums[1]);
+    __m512 f[2];
+    for (int h = 0; h < 2; ++h) {
+      for (int u = 1; u < U; ++u) {
+        hi[0][m][h] = _mm512_add_epi32(hi[0][m][h], hi[u][m][h]);
+        lo[0][m][h] = _mm512_add_epi32(lo[0][m][h], lo[u][m][h]);
+      }
+      f[h] = _mm512_mul_ps(fixed_point_sum(_mm512_sub_epi32(hi[0][m][h], hi_offset), _mm512_sub_epi32(lo[0][m][h], lo_offset)),
+                           _mm512_set1_ps(a.scale[m0 + m]));
+    }
+    store_panel_row(y + m * ldy, f[0], f[1], scale, valid);
+  }
+}
+
+// MR rows of x times one int4 panel. Per group: sum(q a) over its octets in int32 (low nibbles
+// meet inputs 8d .. 8d + 3, high nibbles 8d + 4 .. 8d + 7), then total += scale * sum(q a) +
+// (zero - 8 scale) * sum(a). The totals live in L1 (a stack array), leaving every register to
+// the accumulators.
+template <int MR, typename Out>
+inline void int4_tile(const FixedPointRows& a, int64_t m0, int64_t octets_per_group, const uint8_t* panel,
+                      const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
+  constexpr int U = MR >= 3 ? 1 : 2;  // few rows: low and high nibbles in separate accumulators
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  alignas(64) float total[MR][kPanel] = {};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i hi[U][MR][2], lo[U][MR][2];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MR; ++m)
+        for (int h = 0; h < 2; ++h) hi[u][m][h] = lo[u][m][h] = _mm512_setzero_si512();
+    for (int64_t d = g * octets_per_group; d < (g + 1) * octets_per_group; ++d) {
+      const __m512i block[2] = {_mm512_loadu_si512(panel + d * 128), _mm512_loadu_si512(panel + d * 128 + 64)};
+      const __m512i w[2][2] = {{_mm512_and_si512(block[0], nibble), _mm512_and_si512(block[1], nibble)},
+                               {_mm512_and_si512(_mm512_srli_epi16(block[0], 4), nibble),
+                                _mm512_and_si512(_mm512_srli_epi16(block[1], 4), nibble)}};
+      for (int e = 0; e < 2; ++e) {  // low, then high nibbles
+        for (int m = 0; m < MR; ++m) {
+          const __m512i ah = quad_of(a.hi.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
+          const __m512i al = quad_of(a.lo.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
+          for (int h = 0; h < 2; ++h) {
+            hi[e % U][m][h] = _mm512_dpbusd_epi32(hi[e % U][m][h], w[e][h], ah);
+            lo[e % U][m][h] = _mm512_dpbusd_epi32(lo[e % U][m][h], w[e][h], al);
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 s = widen_bf16(scale + g * kPanel + 16 * h);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, widen_bf16(zero + g * kPanel + 16 * h));
+      for (int m = 0; m < MR; ++m) {
+        for (int u = 1; u < U; ++u) {
+          hi[0][m][h] = _mm512_add_epi32(hi[0][m][h], hi[u][m][h]);
+          lo[0][m][h] = _mm512_add_epi32(lo[0][m][h], lo[u][m][h]);
+        }
+        const int32_t* sums = a.sums.data() + ((m0 + m) * a.groups + g) * 2;
+        const __m512 t = _mm512_fmadd_ps(fixed_point_sum(hi[0][m][h], lo[0][m][h]), s, _mm512_load_ps(total[m] + 16 * h));
+        _mm512_store_ps(total[m] + 16 * h,
+                        _mm512_fmadd_ps(offset, _mm512_set1_ps(128.f * sums[0] + sums[1]), t));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 s = _mm512_set1_ps(a.scale[m0 + m]);
+    store_panel_row(y + m * ldy, _mm512_mul_ps(_mm512_load_ps(total[m]), s),
+                    _mm512_mul_ps(_mm512_load_ps(total[m] + 16), s), nullptr, valid);
+  }
+}
+
+// r[i] lane j -> r[j] lane i, for 16 vectors of 16 dwords.
 inline void transpose16(__m512i r[16]) {
   __m512i a[16], b[16];
   for (int i = 0; i < 8; ++i) {
@@ -254,55 +442,35 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// bf16 pairs of 16 channels: the even inputs in the low halves, the odd ones in the high halves,
-// each times s and plus o (per channel), rounded to nearest even.
-inline __m512i scale_pairs(__m512i pairs, __m512 s, __m512 o) {
-  const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)), s, o);
-  const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000))), s, o);
-  auto round = [](__m512 v) {  // rounded, in the high half of each dword
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  };
-  return _mm512_or_si512(_mm512_srli_epi32(round(even), 16), _mm512_and_si512(round(odd), _mm512_set1_epi32(0xFFFF0000)));
-}
-
-// Pair p of half h of an int4 panel, dequantized to bf16 pairs: (128 + q) s + zero - 136 s.
-inline __m512i int4_pairs(const uint8_t* q, const uint16_t* scale, const uint16_t* zero, int64_t K,
-                          int64_t group_size, int64_t panel, int64_t p, int h) {
-  const __m512i words = _mm512_loadu_si512(q + panel * (K / 8) * 128 + (p / 4) * 128 + 64 * h);
-  const __m512i pairs = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * static_cast<int>(p % 4)),
-                                                  _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
-  const int64_t at = (panel * (K / group_size) + 2 * p / group_size) * kPanel + 16 * h;
-  const __m512 s = widen_bf16(scale + at);
-  return scale_pairs(pairs, s, _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, widen_bf16(zero + at)));
-}
-
-// The whole matrix [N, K] in bf16 from pair vectors: pairs(panel, half, p) gives pair p of the 16
-// channels of a panel's half as bf16 pairs, already scaled. Sixteen pairs at a time are
-// transposed into 32 inputs of each channel.
-template <typename Pairs>
-at::Tensor dequantize_panels(int64_t N, int64_t K, const at::Tensor& like, Pairs pairs) {
+// The whole matrix [N, K] in bf16, 16 channels and 16 steps (quads or octets) at a time: the
+// steps' 64-byte halves are transposed so that each vector holds one channel's inputs, then
+// row(n, v, k0, out) writes channel n's inputs from k0 (4 or 8 per step, as bf16) into out.
+template <typename Row>
+at::Tensor dequantize_panels(int64_t N, int64_t K, int64_t steps, const uint8_t* q, const at::Tensor& like, Row row) {
   at::Tensor w = at::empty({N, K}, like.options().dtype(at::kBFloat16));
   uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  const int64_t npairs = (K + 1) / 2;
   at::parallel_for(0, panels(N), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t panel = p0; panel < p1; ++panel)
       for (int h = 0; h < 2; ++h) {
         const int64_t n0 = panel * kPanel + 16 * h;
         if (n0 >= N) break;
-        for (int64_t c = 0; c < npairs; c += 16) {
+        for (int64_t c = 0; c < steps; c += 16) {
           __m512i r[16];
-          for (int j = 0; j < 16; ++j) r[j] = c + j < npairs ? pairs(panel, h, c + j) : _mm512_setzero_si512();
+          for (int i = 0; i < 16; ++i)
+            r[i] = c + i < steps ? _mm512_loadu_si512(q + (panel * steps + c + i) * 128 + 64 * h) : _mm512_setzero_si512();
           transpose16(r);
-          const int64_t live_k = std::min<int64_t>(32, K - 2 * c);
-          const __mmask32 live = live_k == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << live_k) - 1);
-          for (int64_t i = 0; i < std::min<int64_t>(16, N - n0); ++i)
-            _mm512_mask_storeu_epi16(wp + (n0 + i) * K + 2 * c, live, r[i]);
+          for (int64_t i = 0; i < std::min<int64_t>(16, N - n0); ++i) row(n0 + i, r[i], c, wp + (n0 + i) * K);
         }
       }
   });
   return w;
+}
+
+// 16 floats -> bf16 at out[k0 .. k0 + 15], the inputs below K only.
+inline void store_bf16(uint16_t* out, int64_t k0, int64_t K, __m512 v) {
+  const int64_t live_k = std::clamp<int64_t>(K - k0, 0, 16);
+  if (live_k > 0)
+    _mm256_mask_storeu_epi16(out + k0, static_cast<__mmask16>((1u << live_k) - 1), (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
 
@@ -320,11 +488,13 @@ at::Tensor dequantize_plain(int64_t N, int64_t K, const at::Tensor& like, Weight
 
 void check_int8(const at::Tensor& q, const at::Tensor& scale, int64_t K) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8: scale [N] fp32");
+  TORCH_CHECK(K <= kMaxInt8InFeatures, "int8: in_features ", K, " exceeds ", kMaxInt8InFeatures,
+              " (int32 accumulators would overflow)");
   const int64_t N = scale.numel();
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 2 && q.size(0) == panels(N) &&
-                  q.size(1) == (K + 1) / 2 * 64,
-              "int8: q must be contiguous int8 [ceil(N/32), ceil(K/2) * 64] (the panel layout) for N = ", N,
-              ", K = ", K);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(0) == panels(N) &&
+                  q.size(1) == (K + 3) / 4 * 128,
+              "int8: q must be contiguous uint8 [ceil(N/32), ceil(K/4) * 128] (the panel layout, q + 128) for N = ",
+              N, ", K = ", K);
 }
 
 void check_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size, int64_t K) {
@@ -344,19 +514,14 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), pairs = (K + 1) / 2;
+  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), quads = (K + 3) / 4;
   check_int8(q, scale, K);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const at::Tensor xb = bf16_input(x, 2 * pairs);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const int8_t* qp = q.data_ptr<int8_t>();
+#ifdef LOOM_LINEAR_VECTORIZED
+  const FixedPointRows a = fixed_point_rows(x, 4 * quads, 4 * quads);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-    const int8_t* panel = qp + p * pairs * 64;
-    panel_tile<decltype(rows)::value>(
-        reinterpret_cast<const uint32_t*>(xp + m0 * 2 * pairs), pairs, pairs,
-        [&](int64_t pair, int h) { return (__m512i)widen_int8(panel + pair * 64 + 32 * h); }, dot_bf16,
-        sp + p * kPanel, N - p * kPanel, y, N);
+  return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
+    int8_tile<decltype(rows)::value>(a, m0, quads, qp + p * quads * 128, sp + p * kPanel, N - p * kPanel, y, N);
   });
 #else
   return output_like(at::linear(x.to(at::kBFloat16), int8_dequantize(q, scale, K)).to(at::kFloat), x);
@@ -369,37 +534,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t M = x.size(0), K = x.size(1);
   check_int4(q, scale, zero, group_size, K);
   TORCH_CHECK(q.size(0) == panels(N), "int4_linear: q has ", q.size(0), " panels, expected ", panels(N));
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef LOOM_LINEAR_VECTORIZED
   const int64_t groups = K / group_size;
-  const at::Tensor xb = bf16_input(x, K);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const FixedPointRows a = fixed_point_rows(x, K, group_size);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-  // Each group's sum of x as the kernel reads it, summed here rather than by tensor ops: this
-  // runs once per layer and decode step.
-  std::vector<float> xsum(M * groups);
-  for (int64_t i = 0; i < M * groups; ++i) {  // rows of x are whole groups apart
-    float sum = 0.f;
-    for (int64_t k = 0; k < group_size; ++k) sum += bf16_to_float(xp[i * group_size + k]);
-    xsum[i] = sum;
-  }
-  return run_panels<kInt4TileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-    int4_tile<decltype(rows)::value>(xp + m0 * K, K, groups, group_size / 8, qp + p * (K / 8) * 128,
-                                     sp + p * groups * kPanel, zp + p * groups * kPanel, xsum.data() + m0 * groups,
-                                     N - p * kPanel, y, N);
+  return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
+    int4_tile<decltype(rows)::value>(a, m0, group_size / 8, qp + p * (K / 8) * 128, sp + p * groups * kPanel,
+                                     zp + p * groups * kPanel, N - p * kPanel, y, N);
   });
 #else
   return output_like(at::linear(x.to(at::kBFloat16), int4_dequantize(q, scale, zero, group_size, K, N)).to(at::kFloat), x);
 #endif
 }
 
-
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels(N),
               "dense_linear: x [M, K], w [ceil(N/32), ...] contiguous (the panel layout)");
   const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef LOOM_LINEAR_VECTORIZED
   if (w.scalar_type() == at::kFloat) {
     TORCH_CHECK(w.size(1) == K * kPanel, "dense_linear: fp32 w must be [ceil(N/32), K * 32]");
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -409,7 +563,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       const uint32_t* panel = wp + p * K * kPanel;
       panel_tile<decltype(rows)::value>(
           xp + m0 * K, K, K, [&](int64_t k, int h) { return _mm512_loadu_si512(panel + k * kPanel + 16 * h); },
-          dot_fp32, nullptr, N - p * kPanel, y, N);
+          dot_fp32, N - p * kPanel, y, N);
     });
   }
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == pairs * 2 * kPanel,
@@ -421,7 +575,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
     const uint32_t* panel = wp + p * pairs * kPanel;
     panel_tile<decltype(rows)::value>(
         xp + m0 * pairs, pairs, pairs, [&](int64_t pair, int h) { return _mm512_loadu_si512(panel + pair * kPanel + 16 * h); },
-        dot_bf16, nullptr, N - p * kPanel, y, N);
+        dot_bf16, N - p * kPanel, y, N);
   });
 #else
   TORCH_CHECK(false, "dense_linear: this build has no AVX-512 BF16 kernels (the engine keeps torch's linear layers)");
@@ -431,38 +585,56 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 // The whole matrix in bf16 [N, K], for the large-batch path (a bf16 GEMM on the result).
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t K) {
   check_int8(q, scale, K);
-  const int64_t N = scale.numel(), pairs = (K + 1) / 2;
-  const int8_t* qp = q.data_ptr<int8_t>();
+  const int64_t N = scale.numel(), quads = (K + 3) / 4;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return dequantize_panels(N, K, q, [&](int64_t panel, int h, int64_t p) {
-    const int64_t n0 = panel * kPanel + 16 * h;
-    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
-    const __m512 s = _mm512_maskz_loadu_ps(live, sp + n0);
-    // The 16 channels' pairs, widened exactly, then scaled and rounded once.
-    return scale_pairs((__m512i)widen_int8(qp + panel * pairs * 64 + p * 64 + 32 * h), s, _mm512_setzero_ps());
+#ifdef LOOM_LINEAR_VECTORIZED
+  // After the transpose, lane i of a channel's vector holds its 4 inputs of quad c + i.
+  return dequantize_panels(N, K, quads, qp, q, [&](int64_t n, __m512i v, int64_t c, uint16_t* out) {
+    const __m512 s = _mm512_set1_ps(sp[n]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, i));
+      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), s);
+      store_bf16(out, 4 * c + 16 * i, K, w);
+    }
   });
 #else
-  return dequantize_plain(N, K, q, [&](int64_t n, int64_t k) { return int8_at(qp, pairs, n, k) * sp[n]; });
+  return dequantize_plain(N, K, q, [&](int64_t n, int64_t k) { return int8_at(qp, quads, n, k) * sp[n]; });
 #endif
 }
 
 at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
                            int64_t K, int64_t N) {
   check_int4(q, scale, zero, group_size, K);
-  const int64_t groups = K / group_size;
+  const int64_t groups = K / group_size, octets = K / 8;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return dequantize_panels(N, K, q, [&](int64_t panel, int h, int64_t p) {
-    return int4_pairs(qp, sp, zp, K, group_size, panel, p, h);
+#ifdef LOOM_LINEAR_VECTORIZED
+  // After the transpose, lane i of a channel's vector holds its octet c + i: low nibbles are
+  // inputs 8(c + i) + t, high nibbles 8(c + i) + 4 + t. Interleaving the two nibble vectors by
+  // dwords puts 128-bit lane L of `even` = inputs 32L .. 32L + 15 and of `odd` = the next 16.
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  return dequantize_panels(N, K, octets, qp, q, [&](int64_t n, __m512i v, int64_t c, uint16_t* out) {
+    const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const __m512i halves[2] = {_mm512_unpacklo_epi32(low, high), _mm512_unpackhi_epi32(low, high)};
+    for (int lane = 0; lane < 4; ++lane) {
+      const int64_t k0 = 8 * c + 32 * lane;  // one group: groups are 32, 64 or 128 inputs, chunks 128
+      if (k0 >= K) break;
+      const int64_t at = ((n / kPanel) * groups + k0 / group_size) * kPanel + n % kPanel;
+      const float s = bf16_to_float(sp[at]);
+      const __m512 vs = _mm512_set1_ps(s), offset = _mm512_set1_ps(bf16_to_float(zp[at]) - 8.f * s);
+      for (int e = 0; e < 2; ++e) {
+        const __m512i qv = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(halves[e], lane));
+        store_bf16(out, k0 + 16 * e, K, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qv), vs, offset));
+      }
+    }
   });
 #else
   return dequantize_plain(N, K, q, [&](int64_t n, int64_t k) {
     const int64_t at = ((n / kPanel) * groups + k / group_size) * kPanel + n % kPanel;
     const float s = bf16_to_float(sp[at]);
-    return (int4_at(qp, K, n, k) - 8) * s + bf16_to_float(zp[at]);
+    return (int4_at(qp, octets, n, k) - 8) * s + bf16_to_float(zp[at]);
   });
 #endif
 }
@@ -472,7 +644,7 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
 // Whether this build has the vector paths above: without them dense_linear is unavailable and
 // the quantized kernels are plain loops.
 bool linear_vectorized() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef LOOM_LINEAR_VECTORIZED
   return true;
 #else
   return false;

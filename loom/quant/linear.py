@@ -1,11 +1,10 @@
 """Weight-only quantized linear layers, swapped in for nn.Linear.
 
 The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
-(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/linear.cpp) read the compressed
-weights, widen them in registers and win from decode up to a few hundred tokens per step; past
-the measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary GEMM,
-which wins on large prefill chunks. The layer keeps only the kernel's form of the weights; `portable()` gives back the
-checkpoint form.
+(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/linear.cpp) read the compressed weights
+and multiply them as integers with a 15-bit fixed-point copy of the activations; past the
+measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary GEMM. The
+layer keeps only the kernel's form of the weights; `portable()` gives back the checkpoint form.
 """
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ import torch
 from torch import nn
 
 from loom.kernels import load_kernels
-from loom.layers.linear import pack_pairs, unpack_pairs
 from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4_for_kernel,
-                                 quantize_int4, quantize_int8, unpack_groups_from_kernel, unpack_int4_from_kernel)
+                                 pack_int8_for_kernel, quantize_int4, quantize_int8, unpack_groups_from_kernel,
+                                 unpack_int4_from_kernel, unpack_int8_from_kernel)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -25,8 +24,8 @@ class WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size, self.crossover = method, group_size, crossover
         self.bias = bias
-        # Set by `load_quantized`, in the kernels' panel layouts (csrc/linear.cpp). int8:
-        # scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
+        # Set by `load_quantized`, in the kernels' panel layouts (csrc/linear.cpp). int8: q + 128
+        # as uint8, scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
         self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
@@ -48,7 +47,7 @@ class WeightOnlyLinear(nn.Module):
         load_kernels()
         # The packers write fresh, aligned tensors: a checkpoint's can sit at any offset of its buffer.
         if self.method == "int8":
-            self.q = pack_pairs(q)
+            self.q = pack_int8_for_kernel(q)
             self.scales = scales.float().contiguous()
         else:
             self.q = pack_int4_for_kernel(q)
@@ -59,7 +58,7 @@ class WeightOnlyLinear(nn.Module):
         """(q, scales, zeros) as `load_quantized` takes them: what a checkpoint stores."""
         n, k = self.out_features, self.in_features
         if self.method == "int8":
-            return unpack_pairs(self.q, n, k), self.scales, None
+            return unpack_int8_from_kernel(self.q, n, k), self.scales, None
         return (unpack_int4_from_kernel(self.q, n, k), unpack_groups_from_kernel(self.scales, n),
                 unpack_groups_from_kernel(self.zeros, n))
 

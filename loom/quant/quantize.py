@@ -4,8 +4,8 @@ int8: symmetric absmax per output channel, w ~= q * scale, q in [-127, 127].
 int4: asymmetric min-max per group of `group_size` inputs, w ~= (q - 8) * scale + zero with
 q in [0, 15] (the convention of torch's int4 CPU kernel).
 On disk int4 values are two per byte, the even input index in the low nibble. In memory both
-formats take the panel layouts of Loom's kernels (int8: `loom.layers.linear.pack_pairs`;
-int4: `pack_int4_for_kernel`).
+formats take the panel layouts of Loom's kernels (csrc/linear.cpp): `pack_int8_for_kernel`,
+`pack_int4_for_kernel`.
 """
 from __future__ import annotations
 
@@ -66,22 +66,38 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
+def pack_int8_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [ceil(N/32), ceil(K/4) * 128] uint8 q + 128 in the layout of
+    `loom::int8_linear`: per panel and quad d of inputs 4d .. 4d + 3, two halves of 16 channels;
+    byte 4j + t of half h is input 4d + t of channel 16h + j."""
+    q = pad_channels(torch.nn.functional.pad(q.to(torch.int32), (0, -q.shape[1] % 4)))
+    n, k = q.shape
+    u = (q + 128).to(torch.uint8).view(n // PANEL, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4)  # panel, quad, half, j, t
+    return u.contiguous().view(n // PANEL, -1)
+
+
+def unpack_int8_from_kernel(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int8_for_kernel`: -> [N, K] int8."""
+    u = packed.view(packed.shape[0], -1, 2, 16, 4).permute(0, 2, 3, 1, 4).reshape(packed.shape[0] * PANEL, -1)
+    return (u[:n, :k].to(torch.int32) - 128).to(torch.int8).contiguous()
+
+
 def pack_int4_for_kernel(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 (K a multiple of 8) -> [ceil(N/32), K/8 * 128] bytes in the layout of
-    `loom::int4_linear`: per panel and quad d of inputs 8d .. 8d + 7, two halves of 16
-    channels, each 32 16-bit words; nibble e of word 2j + t is input 8d + 2e + t of channel j."""
-    q = pad_channels(q.to(torch.int32))
+    `loom::int4_linear`: per panel and octet d of inputs 8d .. 8d + 7, two halves of 16
+    channels; byte 4j + t of half h holds input 8d + t of channel 16h + j in its low nibble and
+    input 8d + 4 + t in its high nibble."""
+    q = pad_channels(q.to(torch.uint8))
     n, k = q.shape
-    v = q.view(n // PANEL, 2, 16, k // 8, 4, 2).permute(0, 3, 1, 2, 5, 4)  # panel, quad, half, j, t, e
-    words = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
-    return words.to(torch.int16).contiguous().view(torch.uint8).view(n // PANEL, -1)
+    v = q.view(n // PANEL, 2, 16, k // 8, 2, 4).permute(0, 3, 1, 2, 5, 4)  # panel, octet, half, j, t, nibble
+    return (v[..., 0] | (v[..., 1] << 4)).contiguous().view(n // PANEL, -1)
 
 
 def unpack_int4_from_kernel(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of `pack_int4_for_kernel`: -> [N, K] values 0..15 (uint8)."""
-    words = packed.contiguous().view(torch.int16).int().view(-1, k // 8, 2, 16, 2, 1) & 0xFFFF
-    nibbles = (words >> torch.tensor([0, 4, 8, 12]).view(1, 1, 1, 1, 1, 4)) & 0x0F  # panel, quad, half, j, t, e
-    return nibbles.permute(0, 2, 3, 1, 5, 4).reshape(-1, k)[:n].to(torch.uint8).contiguous()
+    b = packed.view(packed.shape[0], k // 8, 2, 16, 4)
+    nibbles = torch.stack([b & 0x0F, b >> 4], dim=-1)  # panel, octet, half, j, t, nibble
+    return nibbles.permute(0, 2, 3, 1, 5, 4).reshape(-1, k)[:n].contiguous()
 
 
 def pack_groups_for_kernel(t: torch.Tensor) -> torch.Tensor:
