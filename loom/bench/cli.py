@@ -95,6 +95,7 @@ def _setup(args: argparse.Namespace) -> tuple[Path, int]:
 
 def _throughput(args: argparse.Namespace) -> None:
     from loom.bench import throughput as tp
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -133,6 +134,7 @@ def _attention(args: argparse.Namespace) -> None:
     import torch
 
     from loom.bench import attention
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
     from loom.models.config import ModelConfig
 
@@ -155,6 +157,7 @@ def _attention(args: argparse.Namespace) -> None:
 
 def _prefix(args: argparse.Namespace) -> None:
     from loom.bench import prefix
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -176,6 +179,7 @@ def _prefix(args: argparse.Namespace) -> None:
 
 def _parallel(args: argparse.Namespace) -> None:
     from loom.bench import parallel
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -205,6 +209,7 @@ def _quality(args: argparse.Namespace) -> None:
 
     from loom import LLM, SamplingParams
     from loom.bench import quality
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
     from loom.commands.generate import DEFAULT_MODEL
 
@@ -258,7 +263,7 @@ LATENCY_VARIANTS = [("float32", None, "f32"), ("bfloat16", None, "bf16"), ("bflo
                     ("bfloat16", "int4", "q4_0")]
 
 
-def _latency_round(args: argparse.Namespace, model: Path, cfg, peak: float) -> list[dict]:
+def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
     """One pass over every engine and variant (Loom, then its peers for the same weights)."""
     from loom.bench import latency
     from loom.config import cache_root
@@ -267,17 +272,13 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg, peak: float) -> l
     for dtype, quant, gguf_type in LATENCY_VARIANTS:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
-            r["mbu"] = latency.mbu(cfg, dtype, quant, batch, args.prompt_len + args.max_tokens // 2,
-                                   r["steps_per_s"], peak)
             rows.append(r)
-            print(f"loom {dtype} {quant or ''} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
+            print(f"loom {dtype} {quant or ''} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if quant is None:
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
-                r["mbu"] = latency.mbu(cfg, dtype, None, batch, args.prompt_len + args.max_tokens // 2,
-                                       r["steps_per_s"], peak)
                 rows.append(r)
-                print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s, MBU {r['mbu']:.2f}", flush=True)
+                print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if not args.no_llamacpp:
             from loom.bench import llamacpp
 
@@ -321,20 +322,24 @@ def _latency_ratios(rows: list[dict]) -> dict[str, float]:
 
 
 def _latency(args: argparse.Namespace) -> None:
+    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
     from loom.models.config import ModelConfig
     from loom.planner.calibrate import memory_bandwidth
 
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
-    peak = memory_bandwidth()
-    print(f"peak read bandwidth {peak / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     # Whole rounds, each running every engine, so that each ratio compares runs minutes apart
-    # rather than a round apart on a shared machine; medians over rounds.
-    rounds = []
+    # rather than a round apart on a shared machine; medians over rounds. The machine's read
+    # bandwidth itself moves between phases (here: ~40 and ~70 GB/s), so it is probed before
+    # every round, and MBU is taken against the highest probe: what the machine showed it can do.
+    rounds, peaks = [], []
     for i in range(args.rounds):
-        print(f"round {i + 1} of {args.rounds}", flush=True)
-        rounds.append(_latency_round(args, model, cfg, peak))
+        peaks.append(memory_bandwidth())
+        print(f"round {i + 1} of {args.rounds}: peak read bandwidth {peaks[-1] / 1e9:.1f} GB/s "
+              f"({args.threads} threads)", flush=True)
+        rounds.append(_latency_round(args, model, cfg))
+    peak = max(peaks)
     rows = []
     for i, first in enumerate(rounds[0]):
         samples = [rnd[i] for rnd in rounds]
@@ -342,17 +347,22 @@ def _latency(args: argparse.Namespace) -> None:
                    steps_per_s=statistics.median(r["steps_per_s"] for r in samples),
                    all_steps_per_s=[x for r in samples for x in r["all_steps_per_s"]],
                    tok_per_s_rounds=[r["tok_per_s"] for r in samples])
-        if "mbu" in first:
-            row["mbu"] = statistics.median(r["mbu"] for r in samples)
+        if first["engine"] != "llama.cpp":  # its weights' bytes per step are not Loom's
+            row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
+                                     args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak)
         rows.append(row)
     per_round = [_latency_ratios(rnd) for rnd in rounds]
     ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}
               for k in per_round[0]}
+    for r in rows:
+        print(f"{r['engine']} {r.get('quantization') or r['dtype']} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
+              + (f", MBU {r['mbu']:.2f}" if "mbu" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
     path = write_report("latency", {"model": str(model), "prompt_len": args.prompt_len,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
-                                    "peak_read_GBps": peak / 1e9, "results": rows, "ratios": ratios}, args.out_dir)
+                                    "peak_read_GBps": peak / 1e9, "peak_read_GBps_rounds": [p / 1e9 for p in peaks],
+                                    "results": rows, "ratios": ratios}, args.out_dir)
     batch1 = [r for r in rows if r["batch"] == 1]
     bar_plot(path.with_suffix(".png"), f"Batch-1 decode, prompt {args.prompt_len}, {args.threads} threads",
              [f"{'Loom' if r['engine'] == 'loom' else r['engine']}\n{r.get('quantization') or r['dtype']}"
