@@ -19,11 +19,12 @@
 //         [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4 convention).
 //
 // The weight-only kernels never turn weights into floats (the costly step on CPUs without fp16
-// arithmetic). Each row of x becomes 15-bit fixed point, x ~= s * a with s = max|x| / 16383 and
-// a = 128 hi + lo (hi in [-128, 127], lo in [0, 127], both exact int8), and the weights' unsigned
-// bytes meet hi and lo in integer dot products accumulated exactly in int32: the result is
-// exactly W (s a) up to fp32 rounding of the final scaling. The rounding of x, |x - s a| <= s / 2
-// = max|x| / 32766, is finer than bf16's for every element within 1/64 of the row's largest.
+// arithmetic). Each row of x is quantized to int8 in groups of 32 inputs, x ~= s_g a with
+// s_g = max|x over the group| / 127 (llama.cpp's q8_0 takes the same form), and the weights'
+// unsigned bytes meet a in integer dot products (one vpdpbusd per 4 inputs and 16 channels),
+// exact in int32 within a group; each group's sum is scaled in fp32. The rounding of x,
+// |x - s_g a| <= s_g / 2 = max|x over the group| / 254, is bf16's relative precision (2^-8) for
+// the group's largest element.
 // loom/layers/linear.py and loom/quant/quantize.py build the layouts. Panels are split across
 // threads; every thread keeps x in cache. Without AVX-512 (BF16, VNNI) the quantized kernels
 // dequantize with plain loops and call a bf16 GEMM (correct, slow), and the engine leaves dense
@@ -39,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -52,9 +54,7 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // output channels per panel
-constexpr float kFixedPointMax = 16383.f;  // |a| of the fixed-point activations: 128 hi + lo, hi in int8
-// int8 accumulates K / 4 dot products of at most 4 * 255 * 128 per int32 lane.
-constexpr int64_t kMaxInt8InFeatures = 65536;
+constexpr int64_t kActivationGroup = 32;  // inputs per scale of the int8 activations
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
@@ -109,7 +109,7 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
 
 #ifdef LOOM_LINEAR_VECTORIZED
 constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
-constexpr int kIntTileRows = 6;     // int8 / int4: four accumulators a row
+constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
 
 // x[m, 2p], x[m, 2p + 1] in every lane.
 inline __m512bh pair_of(const uint16_t* x, int64_t p) {
@@ -128,11 +128,6 @@ inline __m512i quad_of(const int8_t* a) {
 // 16 bf16 -> fp32.
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// Sum of 128 hi + lo accumulators as fp32.
-inline __m512 fixed_point_sum(__m512i hi, __m512i lo) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(128.f), _mm512_cvtepi32_ps(lo));
 }
 
 // Stores the two vectors of a panel's row (channels n0 .. n0 + 31 of `valid`), times `scale`
@@ -191,15 +186,14 @@ constexpr auto dot_fp32 = [](__m512 acc, __m512i w, __m512i x) {
 };
 #endif
 
-// Rows of x as 15-bit fixed point (see the top of this file): x[m, k] ~= scale[m] * (128 hi + lo),
-// K padded with zeros to `padded_k`; sums[m, g] = (sum of hi, sum of lo) over group g of `group`
-// inputs.
-struct FixedPointRows {
-  int64_t stride;
-  std::vector<int8_t> hi, lo;      // [M, stride]
-  std::vector<float> scale;        // [M]
-  std::vector<int32_t> sums;       // [M, groups, 2]
-  int64_t groups;
+// Rows of x as int8 in groups of kActivationGroup inputs (see the top of this file):
+// x[m, k] ~= scale[m, g] * a[m, k] with g = k / 32, K padded with zeros to `stride`;
+// sums[m, g] = sum of a over group g (the weights' offsets meet it).
+struct QuantizedRows {
+  int64_t stride, groups;       // stride = 32 groups
+  std::vector<int8_t> a;        // [M, stride]
+  std::vector<float> scale;     // [M, groups]
+  std::vector<int32_t> sums;    // [M, groups]
 };
 
 #ifdef LOOM_LINEAR_VECTORIZED
@@ -210,47 +204,44 @@ inline __m512 load_row(const uint16_t* x, __mmask16 live) {
 }
 
 template <typename T>
-void fixed_point_row(const T* x, int64_t K, int64_t group, FixedPointRows& r, int64_t m) {
-  auto live = [&](int64_t k) { return static_cast<__mmask16>(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1); };
-  __m512 largest = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(load_row(x + k, live(k))));
-  const float top = _mm512_reduce_max_ps(largest);
-  const float s = top > 0.f ? top / kFixedPointMax : 1.f;
-  r.scale[m] = s;
-  const __m512 inv = _mm512_set1_ps(1.f / s);
-  const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(kFixedPointMax)), low7 = _mm512_set1_epi32(127);
-  int8_t* hi = r.hi.data() + m * r.stride;
-  int8_t* lo = r.lo.data() + m * r.stride;
+void quantize_row(const T* x, int64_t K, QuantizedRows& r, int64_t m) {
+  auto live = [&](int64_t k) {
+    return static_cast<__mmask16>(K - k >= 16 ? 0xFFFF : K > k ? (1u << (K - k)) - 1 : 0);
+  };
+  int8_t* a = r.a.data() + m * r.stride;
   for (int64_t g = 0; g < r.groups; ++g) {
-    __m512i hi_sum = _mm512_setzero_si512(), lo_sum = _mm512_setzero_si512();
-    for (int64_t k = g * group; k < std::min((g + 1) * group, K); k += 16) {
-      const __mmask16 mask = live(k);
-      // Rounded to nearest even; |x / s| <= 16383 up to the rounding of 1 / s: clamped so hi stays int8.
-      __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(load_row(x + k, mask), inv));
-      a = _mm512_max_epi32(_mm512_min_epi32(a, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-      const __m512i h = _mm512_maskz_mov_epi32(mask, _mm512_srai_epi32(a, 7)), l = _mm512_maskz_mov_epi32(mask, _mm512_and_si512(a, low7));
-      _mm512_mask_cvtepi32_storeu_epi8(hi + k, mask, h);
-      _mm512_mask_cvtepi32_storeu_epi8(lo + k, mask, l);
-      hi_sum = _mm512_add_epi32(hi_sum, h);
-      lo_sum = _mm512_add_epi32(lo_sum, l);
-    }
-    r.sums[(m * r.groups + g) * 2] = _mm512_reduce_add_epi32(hi_sum);
-    r.sums[(m * r.groups + g) * 2 + 1] = _mm512_reduce_add_epi32(lo_sum);
+    const int64_t k = g * kActivationGroup;
+    const __mmask16 m0 = live(k), m1 = live(k + 16);
+    const __m512 x0 = load_row(x + k, m0), x1 = load_row(x + k + 16, m1);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    r.scale[m * r.groups + g] = top / 127.f;
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    // Rounded to nearest even; |x / s| <= 127 up to the rounding of 1 / s: clamped to int8.
+    auto quantize = [&](__m512 v) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+      return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    };
+    const __m512i q0 = quantize(x0), q1 = quantize(x1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k + 16), _mm512_cvtepi32_epi8(q1));
+    r.sums[m * r.groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
 
-FixedPointRows fixed_point_rows(const at::Tensor& x, int64_t padded_k, int64_t group) {
+// x [M, K] -> QuantizedRows covering at least `min_k` inputs (zeros past K).
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t min_k) {
   const at::Tensor xc = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) ? x.contiguous()
                                                                                                : x.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  FixedPointRows r{padded_k, std::vector<int8_t>(M * padded_k, 0), std::vector<int8_t>(M * padded_k, 0),
-                   std::vector<float>(M), std::vector<int32_t>(M * (padded_k / group) * 2), padded_k / group};
+  const int64_t groups = (std::max(K, min_k) + kActivationGroup - 1) / kActivationGroup;
+  QuantizedRows r{groups * kActivationGroup, groups, std::vector<int8_t>(M * groups * kActivationGroup),
+                  std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (xc.scalar_type() == at::kBFloat16)
-        fixed_point_row(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, group, r, m);
+        quantize_row(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, r, m);
       else
-        fixed_point_row(xc.data_ptr<float>() + m * K, K, group, r, m);
+        quantize_row(xc.data_ptr<float>() + m * K, K, r, m);
     }
   });
   return r;
@@ -323,100 +314,99 @@ at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
 }
 
 #ifdef LOOM_LINEAR_VECTORIZED
-// MR rows of x times one int8 panel. Per quad of inputs and row: two dot products per channel
-// half (hi and lo), accumulated in int32. Then sum(q a) = sum(u a) - 128 sum(a) for each piece.
-template <int MR, typename Out>
-inline void int8_tile(const FixedPointRows& a, int64_t m0, int64_t quads, const uint8_t* panel, const float* scale,
-                      int64_t valid, Out* y, int64_t ldy) {
-  constexpr int U = MR >= 3 ? 1 : 2;  // few rows: alternate accumulators to hide the dot product's latency
-  __m512i hi[U][MR][2], lo[U][MR][2];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MR; ++m)
-      for (int h = 0; h < 2; ++h) hi[u][m][h] = lo[u][m][h] = _mm512_setzero_si512();
-  auto step = [&](auto u, int64_t d) {
-    const __m512i w0 = _mm512_loadu_si512(panel + d * 128), w1 = _mm512_loadu_si512(panel + d * 128 + 64);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i ah = quad_of(a.hi.data() + (m0 + m) * a.stride + 4 * d);
-      const __m512i al = quad_of(a.lo.data() + (m0 + m) * a.stride + 4 * d);
-      hi[u][m][0] = _mm512_dpbusd_epi32(hi[u][m][0], w0, ah);
-      hi[u][m][1] = _mm512_dpbusd_epi32(hi[u][m][1], w1, ah);
-      lo[u][m][0] = _mm512_dpbusd_epi32(lo[u][m][0], w0, al);
-      lo[u][m][1] = _mm512_dpbusd_epi32(lo[u][m][1], w1, al);
-    }
-  };
-  int64_t d = 0;
-  for (; d + U <= quads; d += U) {
-    step(std::integral_constant<int, 0>{}, d);
-    if constexpr (U > 1) step(std::integral_constant<int, 1>{}, d + 1);
-  }
-  for (; d < quads; ++d) step(std::integral_constant<int, 0>{}, d);
-  for (int m = 0; m < MR; ++m) {
-    const int32_t* sums = a.sums.data() + (m0 + m) * 2;
-    const __m512i hi_offset = _mm512_set1_epi32(128 * sums[0]), lo_offset = _mm512_set1_epi32(128 * sums[1]);
-    __m512 f[2];
-    for (int h = 0; h < 2; ++h) {
-      for (int u = 1; u < U; ++u) {
-        hi[0][m][h] = _mm512_add_epi32(hi[0][m][h], hi[u][m][h]);
-        lo[0][m][h] = _mm512_add_epi32(lo[0][m][h], lo[u][m][h]);
-      }
-      f[h] = _mm512_mul_ps(fixed_point_sum(_mm512_sub_epi32(hi[0][m][h], hi_offset), _mm512_sub_epi32(lo[0][m][h], lo_offset)),
-                           _mm512_set1_ps(a.scale[m0 + m]));
-    }
-    store_panel_row(y + m * ldy, f[0], f[1], scale, valid);
-  }
+// Calls step(u, i) for i in [begin, end), u = i % U as a compile-time index (accumulators
+// chosen by u stay in registers): few rows alternate accumulators to hide the dot product's latency.
+template <int U, typename Step>
+inline void unrolled(int64_t begin, int64_t end, Step step) {
+  int64_t i = begin;
+  for (; i + U <= end; i += U)
+    [&]<int... u>(std::integer_sequence<int, u...>) { (step(std::integral_constant<int, u>{}, i + u), ...); }(
+        std::make_integer_sequence<int, U>{});
+  for (; i < end; ++i) step(std::integral_constant<int, 0>{}, i);
 }
 
-// MR rows of x times one int4 panel. Per group: sum(q a) over its octets in int32 (low nibbles
-// meet inputs 8d .. 8d + 3, high nibbles 8d + 4 .. 8d + 7), then total += scale * sum(q a) +
-// (zero - 8 scale) * sum(a). The totals live in L1 (a stack array), leaving every register to
-// the accumulators.
+// Accumulators per channel half and row: enough independent dot products in flight at 1-2 rows.
+template <int MR>
+constexpr int kChains = MR >= 3 ? 1 : 4 / MR;
+
+// MR rows of x times one int8 panel. Per activation group (8 quads) and row: sum(u a) in int32,
+// then total += s_g (sum(u a) - 128 sum(a)), as q = u - 128; the channel scales come last.
 template <int MR, typename Out>
-inline void int4_tile(const FixedPointRows& a, int64_t m0, int64_t octets_per_group, const uint8_t* panel,
-                      const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
-  constexpr int U = MR >= 3 ? 1 : 2;  // few rows: low and high nibbles in separate accumulators
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  alignas(64) float total[MR][kPanel] = {};
+inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const uint8_t* panel, const float* scale,
+                      int64_t valid, Out* y, int64_t ldy) {
+  constexpr int U = kChains<MR>;
+  constexpr int64_t kQuadsPerGroup = kActivationGroup / 4;
+  __m512 total[MR][2];
+  for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512i hi[U][MR][2], lo[U][MR][2];
+    __m512i acc[U][MR][2];
     for (int u = 0; u < U; ++u)
-      for (int m = 0; m < MR; ++m)
-        for (int h = 0; h < 2; ++h) hi[u][m][h] = lo[u][m][h] = _mm512_setzero_si512();
-    for (int64_t d = g * octets_per_group; d < (g + 1) * octets_per_group; ++d) {
-      const __m512i block[2] = {_mm512_loadu_si512(panel + d * 128), _mm512_loadu_si512(panel + d * 128 + 64)};
-      const __m512i w[2][2] = {{_mm512_and_si512(block[0], nibble), _mm512_and_si512(block[1], nibble)},
-                               {_mm512_and_si512(_mm512_srli_epi16(block[0], 4), nibble),
-                                _mm512_and_si512(_mm512_srli_epi16(block[1], 4), nibble)}};
-      for (int e = 0; e < 2; ++e) {  // low, then high nibbles
-        for (int m = 0; m < MR; ++m) {
-          const __m512i ah = quad_of(a.hi.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
-          const __m512i al = quad_of(a.lo.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
-          for (int h = 0; h < 2; ++h) {
-            hi[e % U][m][h] = _mm512_dpbusd_epi32(hi[e % U][m][h], w[e][h], ah);
-            lo[e % U][m][h] = _mm512_dpbusd_epi32(lo[e % U][m][h], w[e][h], al);
-          }
-        }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m512 s = widen_bf16(scale + g * kPanel + 16 * h);
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, widen_bf16(zero + g * kPanel + 16 * h));
+      for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
+    unrolled<U>(g * kQuadsPerGroup, std::min((g + 1) * kQuadsPerGroup, quads), [&](auto u, int64_t d) {
+      const __m512i w0 = _mm512_loadu_si512(panel + d * 128), w1 = _mm512_loadu_si512(panel + d * 128 + 64);
       for (int m = 0; m < MR; ++m) {
-        for (int u = 1; u < U; ++u) {
-          hi[0][m][h] = _mm512_add_epi32(hi[0][m][h], hi[u][m][h]);
-          lo[0][m][h] = _mm512_add_epi32(lo[0][m][h], lo[u][m][h]);
-        }
-        const int32_t* sums = a.sums.data() + ((m0 + m) * a.groups + g) * 2;
-        const __m512 t = _mm512_fmadd_ps(fixed_point_sum(hi[0][m][h], lo[0][m][h]), s, _mm512_load_ps(total[m] + 16 * h));
-        _mm512_store_ps(total[m] + 16 * h,
-                        _mm512_fmadd_ps(offset, _mm512_set1_ps(128.f * sums[0] + sums[1]), t));
+        const __m512i x4 = quad_of(a.a.data() + (m0 + m) * a.stride + 4 * d);
+        acc[u][m][0] = _mm512_dpbusd_epi32(acc[u][m][0], w0, x4);
+        acc[u][m][1] = _mm512_dpbusd_epi32(acc[u][m][1], w1, x4);
+      }
+    });
+    for (int m = 0; m < MR; ++m) {
+      const int64_t row = (m0 + m) * a.groups + g;
+      const __m512i offset = _mm512_set1_epi32(128 * a.sums[row]);
+      const __m512 s = _mm512_set1_ps(a.scale[row]);
+      for (int h = 0; h < 2; ++h) {
+        for (int u = 1; u < U; ++u) acc[0][m][h] = _mm512_add_epi32(acc[0][m][h], acc[u][m][h]);
+        total[m][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][m][h], offset)), s, total[m][h]);
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    const __m512 s = _mm512_set1_ps(a.scale[m0 + m]);
-    store_panel_row(y + m * ldy, _mm512_mul_ps(_mm512_load_ps(total[m]), s),
-                    _mm512_mul_ps(_mm512_load_ps(total[m] + 16), s), nullptr, valid);
+  for (int m = 0; m < MR; ++m) store_panel_row(y + m * ldy, total[m][0], total[m][1], scale, valid);
+}
+
+// MR rows of x times one int4 panel. Per activation group (4 octets) and row: sum(q a) in int32
+// (low nibbles meet inputs 8d .. 8d + 3, high nibbles 8d + 4 .. 8d + 7), then with the weight
+// group's scale and zero, total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
+template <int MR, typename Out>
+inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
+                      const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
+  constexpr int U = kChains<MR>;
+  constexpr int64_t kOctetsPerGroup = kActivationGroup / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 total[MR][2];
+  for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i acc[U][MR][2];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
+    // Octets alternate between U / 2 accumulator pairs; in a pair, one takes the low nibbles,
+    // the other the high ones (with one pair, U = 2, or both in one, U = 1).
+    unrolled<(U + 1) / 2>(g * kOctetsPerGroup, (g + 1) * kOctetsPerGroup, [&](auto u, int64_t d) {
+      const __m512i block[2] = {_mm512_loadu_si512(panel + d * 128), _mm512_loadu_si512(panel + d * 128 + 64)};
+      for (int e = 0; e < 2; ++e) {  // low, then high nibbles
+        const int c = (2 * decltype(u)::value + e) % U;
+        const __m512i w0 = _mm512_and_si512(e ? _mm512_srli_epi16(block[0], 4) : block[0], nibble);
+        const __m512i w1 = _mm512_and_si512(e ? _mm512_srli_epi16(block[1], 4) : block[1], nibble);
+        for (int m = 0; m < MR; ++m) {
+          const __m512i x4 = quad_of(a.a.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
+          acc[c][m][0] = _mm512_dpbusd_epi32(acc[c][m][0], w0, x4);
+          acc[c][m][1] = _mm512_dpbusd_epi32(acc[c][m][1], w1, x4);
+        }
+      }
+    });
+    const int64_t wg = g * kActivationGroup / group_size;  // the weight group holding this activation group
+    for (int h = 0; h < 2; ++h) {
+      const __m512 ws = widen_bf16(scale + wg * kPanel + 16 * h);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = (m0 + m) * a.groups + g;
+        for (int u = 1; u < U; ++u) acc[0][m][h] = _mm512_add_epi32(acc[0][m][h], acc[u][m][h]);
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][m][h]), ws,
+                                         _mm512_mul_ps(offset, _mm512_set1_ps(static_cast<float>(a.sums[row]))));
+        total[m][h] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.scale[row]), total[m][h]);
+      }
+    }
   }
+  for (int m = 0; m < MR; ++m) store_panel_row(y + m * ldy, total[m][0], total[m][1], nullptr, valid);
 }
 
 // r[i] lane j -> r[j] lane i, for 16 vectors of 16 dwords.
@@ -488,8 +478,6 @@ at::Tensor dequantize_plain(int64_t N, int64_t K, const at::Tensor& like, Weight
 
 void check_int8(const at::Tensor& q, const at::Tensor& scale, int64_t K) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8: scale [N] fp32");
-  TORCH_CHECK(K <= kMaxInt8InFeatures, "int8: in_features ", K, " exceeds ", kMaxInt8InFeatures,
-              " (int32 accumulators would overflow)");
   const int64_t N = scale.numel();
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(0) == panels(N) &&
                   q.size(1) == (K + 3) / 4 * 128,
@@ -517,7 +505,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), quads = (K + 3) / 4;
   check_int8(q, scale, K);
 #ifdef LOOM_LINEAR_VECTORIZED
-  const FixedPointRows a = fixed_point_rows(x, 4 * quads, 4 * quads);
+  const QuantizedRows a = quantize_rows(x, 4 * quads);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
@@ -536,12 +524,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.size(0) == panels(N), "int4_linear: q has ", q.size(0), " panels, expected ", panels(N));
 #ifdef LOOM_LINEAR_VECTORIZED
   const int64_t groups = K / group_size;
-  const FixedPointRows a = fixed_point_rows(x, K, group_size);
+  const QuantizedRows a = quantize_rows(x, K);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
   return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-    int4_tile<decltype(rows)::value>(a, m0, group_size / 8, qp + p * (K / 8) * 128, sp + p * groups * kPanel,
+    int4_tile<decltype(rows)::value>(a, m0, group_size, qp + p * (K / 8) * 128, sp + p * groups * kPanel,
                                      zp + p * groups * kPanel, N - p * kPanel, y, N);
   });
 #else

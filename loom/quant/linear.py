@@ -2,8 +2,9 @@
 
 The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
 (`torch.ops.loom.int8_linear` / `int4_linear`, csrc/linear.cpp) read the compressed weights
-and multiply them as integers with a 15-bit fixed-point copy of the activations; past the
-measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary GEMM. The
+and multiply them as integers with an int8 copy of the activations (a scale per 32 inputs);
+past the measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary
+GEMM. The
 layer keeps only the kernel's form of the weights; `portable()` gives back the checkpoint form.
 """
 from __future__ import annotations
