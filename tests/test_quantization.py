@@ -46,8 +46,8 @@ def test_quantization_error_bounds():
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 9, 64])
 def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, out_features, tokens):
     """Each kernel against x @ dequant(W)^T in fp64.
-    The weight-only kernel computes exactly with x rounded to int8 in groups of 32 inputs
-    (s_g = max|x over group g| / 127, |x - s_g round(x / s_g)| <= s_g / 2): its error is at most
+    The weight-only kernel computes exactly with x rounded to int8 in groups of inputs (int8: 128,
+    int4: 32; s_g = max|x over group g| / 127, |x - s_g round(x / s_g)| <= s_g / 2): its error is at most
     sum_k (s_g(k) / 2) |w_k| per output, plus fp32 rounding; with bf16 input and output, plus the
     output's bf16 rounding (relative 2^-8). The dequantized GEMM runs in bf16: relative error
     (max abs / max |ref|) < 1%."""
@@ -59,8 +59,9 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         ref = xd.double() @ w.t()
-        padded = torch.nn.functional.pad(xd.double().abs(), (0, -in_features % 32))
-        step = (padded.view(tokens, -1, 32).amax(dim=2) / 127).repeat_interleave(32, dim=1)[:, :in_features]
+        group = 64 if method == "int8" else 32
+        padded = torch.nn.functional.pad(xd.double().abs(), (0, -in_features % group))
+        step = (padded.view(tokens, -1, group).amax(dim=2) / 127).repeat_interleave(group, dim=1)[:, :in_features]
         bound = (step / 2) @ w.abs().t() + 1e-5 * xd.double().abs() @ w.abs().t()
         out = layer.weight_only(xd)
         assert out.dtype == dtype

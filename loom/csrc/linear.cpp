@@ -19,12 +19,12 @@
 //         [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4 convention).
 //
 // The weight-only kernels never turn weights into floats (the costly step on CPUs without fp16
-// arithmetic). Each row of x is quantized to int8 in groups of 32 inputs, x ~= s_g a with
-// s_g = max|x over the group| / 127 (llama.cpp's q8_0 takes the same form), and the weights'
-// unsigned bytes meet a in integer dot products (one vpdpbusd per 4 inputs and 16 channels),
-// exact in int32 within a group; each group's sum is scaled in fp32. The rounding of x,
-// |x - s_g a| <= s_g / 2 = max|x over the group| / 254, is bf16's relative precision (2^-8) for
-// the group's largest element.
+// arithmetic). Each row of x is quantized to int8 in groups of inputs (64 for int8 weights, 32
+// for int4), x ~= s_g a with s_g = max|x over the group| / 127 (llama.cpp quantizes activations
+// the same way for its q8_0 and q4_0 dot products), and the weights' unsigned bytes meet a in
+// integer dot products (one vpdpbusd per 4 inputs and 16 channels), exact in int32 within a
+// group; each group's sum is scaled in fp32. The rounding of x, |x - s_g a| <= s_g / 2 =
+// max|x over the group| / 254, is bf16's relative precision (2^-8) for the group's largest element.
 // loom/layers/linear.py and loom/quant/quantize.py build the layouts. Panels are split across
 // threads; every thread keeps x in cache. Without AVX-512 (BF16, VNNI) the quantized kernels
 // dequantize with plain loops and call a bf16 GEMM (correct, slow), and the engine leaves dense
@@ -54,7 +54,11 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // output channels per panel
-constexpr int64_t kActivationGroup = 32;  // inputs per scale of the int8 activations
+// Inputs per scale of the int8 activations. int4 needs a float step per weight group (32 at the
+// finest) anyway; int8 weights have one scale per channel, and each activation group adds a
+// float step per row and channel: measured on the 134M model's layers at batch 1, groups of
+// 32 / 64 / 128 took 0.72 / 0.68 / 0.65 of bf16 weights' time (0.5 would be bandwidth).
+constexpr int64_t kInt4ActivationGroup = 32, kInt8ActivationGroup = 64;
 
 inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
@@ -186,11 +190,11 @@ constexpr auto dot_fp32 = [](__m512 acc, __m512i w, __m512i x) {
 };
 #endif
 
-// Rows of x as int8 in groups of kActivationGroup inputs (see the top of this file):
-// x[m, k] ~= scale[m, g] * a[m, k] with g = k / 32, K padded with zeros to `stride`;
+// Rows of x as int8 in groups of `group` inputs (see the top of this file):
+// x[m, k] ~= scale[m, g] * a[m, k] with g = k / group, K padded with zeros to `stride`;
 // sums[m, g] = sum of a over group g (the weights' offsets meet it).
 struct QuantizedRows {
-  int64_t stride, groups;       // stride = 32 groups
+  int64_t stride, group, groups;  // stride = group * groups
   std::vector<int8_t> a;        // [M, stride]
   std::vector<float> scale;     // [M, groups]
   std::vector<int32_t> sums;    // [M, groups]
@@ -210,31 +214,31 @@ void quantize_row(const T* x, int64_t K, QuantizedRows& r, int64_t m) {
   };
   int8_t* a = r.a.data() + m * r.stride;
   for (int64_t g = 0; g < r.groups; ++g) {
-    const int64_t k = g * kActivationGroup;
-    const __mmask16 m0 = live(k), m1 = live(k + 16);
-    const __m512 x0 = load_row(x + k, m0), x1 = load_row(x + k + 16, m1);
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const int64_t k0 = g * r.group, k1 = k0 + r.group;
+    __m512 largest = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(load_row(x + k, live(k))));
+    const float top = _mm512_reduce_max_ps(largest);
     r.scale[m * r.groups + g] = top / 127.f;
     const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    // Rounded to nearest even; |x / s| <= 127 up to the rounding of 1 / s: clamped to int8.
-    auto quantize = [&](__m512 v) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-      return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-    };
-    const __m512i q0 = quantize(x0), q1 = quantize(x1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k + 16), _mm512_cvtepi32_epi8(q1));
-    r.sums[m * r.groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 16) {
+      // Rounded to nearest even; |x / s| <= 127 up to the rounding of 1 / s: clamped to int8.
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_row(x + k, live(k)), inv));
+      q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k), _mm512_cvtepi32_epi8(q));
+      sum = _mm512_add_epi32(sum, q);
+    }
+    r.sums[m * r.groups + g] = _mm512_reduce_add_epi32(sum);
   }
 }
 
-// x [M, K] -> QuantizedRows covering at least `min_k` inputs (zeros past K).
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t min_k) {
+// x [M, K] -> QuantizedRows in groups of `group` inputs covering at least `min_k` (zeros past K).
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t min_k, int64_t group) {
   const at::Tensor xc = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) ? x.contiguous()
                                                                                                : x.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t groups = (std::max(K, min_k) + kActivationGroup - 1) / kActivationGroup;
-  QuantizedRows r{groups * kActivationGroup, groups, std::vector<int8_t>(M * groups * kActivationGroup),
+  const int64_t groups = (std::max(K, min_k) + group - 1) / group;
+  QuantizedRows r{groups * group, group, groups, std::vector<int8_t>(M * groups * group),
                   std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -325,24 +329,25 @@ inline void unrolled(int64_t begin, int64_t end, Step step) {
   for (; i < end; ++i) step(std::integral_constant<int, 0>{}, i);
 }
 
-// Accumulators per channel half and row: enough independent dot products in flight at 1-2 rows.
+// Accumulators per channel half and row: at 1-2 rows, two, so that more dot products are in
+// flight (4 per row measured no faster at batch 1, where memory sets the pace).
 template <int MR>
-constexpr int kChains = MR >= 3 ? 1 : 4 / MR;
+constexpr int kChains = MR >= 3 ? 1 : 2;
 
-// MR rows of x times one int8 panel. Per activation group (8 quads) and row: sum(u a) in int32,
+// MR rows of x times one int8 panel. Per activation group (16 quads) and row: sum(u a) in int32,
 // then total += s_g (sum(u a) - 128 sum(a)), as q = u - 128; the channel scales come last.
 template <int MR, typename Out>
 inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const uint8_t* panel, const float* scale,
                       int64_t valid, Out* y, int64_t ldy) {
   constexpr int U = kChains<MR>;
-  constexpr int64_t kQuadsPerGroup = kActivationGroup / 4;
+  const int64_t quads_per_group = a.group / 4;
   __m512 total[MR][2];
   for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     __m512i acc[U][MR][2];
     for (int u = 0; u < U; ++u)
       for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
-    unrolled<U>(g * kQuadsPerGroup, std::min((g + 1) * kQuadsPerGroup, quads), [&](auto u, int64_t d) {
+    unrolled<U>(g * quads_per_group, std::min((g + 1) * quads_per_group, quads), [&](auto u, int64_t d) {
       const __m512i w0 = _mm512_loadu_si512(panel + d * 128), w1 = _mm512_loadu_si512(panel + d * 128 + 64);
       for (int m = 0; m < MR; ++m) {
         const __m512i x4 = quad_of(a.a.data() + (m0 + m) * a.stride + 4 * d);
@@ -370,7 +375,7 @@ template <int MR, typename Out>
 inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
                       const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
   constexpr int U = kChains<MR>;
-  constexpr int64_t kOctetsPerGroup = kActivationGroup / 8;
+  constexpr int64_t kOctetsPerGroup = kInt4ActivationGroup / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 total[MR][2];
   for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
@@ -378,22 +383,19 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     __m512i acc[U][MR][2];
     for (int u = 0; u < U; ++u)
       for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
-    // Octets alternate between U / 2 accumulator pairs; in a pair, one takes the low nibbles,
-    // the other the high ones (with one pair, U = 2, or both in one, U = 1).
-    unrolled<(U + 1) / 2>(g * kOctetsPerGroup, (g + 1) * kOctetsPerGroup, [&](auto u, int64_t d) {
+    for (int64_t d = g * kOctetsPerGroup; d < (g + 1) * kOctetsPerGroup; ++d) {
       const __m512i block[2] = {_mm512_loadu_si512(panel + d * 128), _mm512_loadu_si512(panel + d * 128 + 64)};
-      for (int e = 0; e < 2; ++e) {  // low, then high nibbles
-        const int c = (2 * decltype(u)::value + e) % U;
+      for (int e = 0; e < 2; ++e) {  // low, then high nibbles (in their own accumulators when U = 2)
         const __m512i w0 = _mm512_and_si512(e ? _mm512_srli_epi16(block[0], 4) : block[0], nibble);
         const __m512i w1 = _mm512_and_si512(e ? _mm512_srli_epi16(block[1], 4) : block[1], nibble);
         for (int m = 0; m < MR; ++m) {
           const __m512i x4 = quad_of(a.a.data() + (m0 + m) * a.stride + 8 * d + 4 * e);
-          acc[c][m][0] = _mm512_dpbusd_epi32(acc[c][m][0], w0, x4);
-          acc[c][m][1] = _mm512_dpbusd_epi32(acc[c][m][1], w1, x4);
+          acc[e % U][m][0] = _mm512_dpbusd_epi32(acc[e % U][m][0], w0, x4);
+          acc[e % U][m][1] = _mm512_dpbusd_epi32(acc[e % U][m][1], w1, x4);
         }
       }
-    });
-    const int64_t wg = g * kActivationGroup / group_size;  // the weight group holding this activation group
+    }
+    const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int h = 0; h < 2; ++h) {
       const __m512 ws = widen_bf16(scale + wg * kPanel + 16 * h);
       const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h));
@@ -505,7 +507,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), quads = (K + 3) / 4;
   check_int8(q, scale, K);
 #ifdef LOOM_LINEAR_VECTORIZED
-  const QuantizedRows a = quantize_rows(x, 4 * quads);
+  const QuantizedRows a = quantize_rows(x, 4 * quads, kInt8ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
@@ -524,7 +526,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.size(0) == panels(N), "int4_linear: q has ", q.size(0), " panels, expected ", panels(N));
 #ifdef LOOM_LINEAR_VECTORIZED
   const int64_t groups = K / group_size;
-  const QuantizedRows a = quantize_rows(x, K);
+  const QuantizedRows a = quantize_rows(x, K, kInt4ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
