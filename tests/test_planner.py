@@ -215,29 +215,40 @@ def test_calibrated_components_price_the_step(tmp_path) -> None:
 
 def test_calibrated_prediction_matches_loom_decode(tmp_path, monkeypatch, capsys) -> None:
     """Calibrate Loom's components, then predict the decode steps of a model the calibration
-    never ran (other widths, depth, vocabulary) and compare with Loom's own measured steps."""
+    never ran (other widths, depth, vocabulary) and compare with Loom's own measured steps.
+    The machine is shared and its read bandwidth moves between phases (~45 and ~75 GB/s here):
+    a prediction can only match a measurement made on the hardware it was calibrated on, so
+    the bandwidth is probed before the calibration and after the measurement, and an attempt in
+    which it moved by more than 15% is repeated (at most 3 attempts)."""
     from loom.bench.latency import run_loom
     from loom.bench.reference_model import reference_model_dir
-    from loom.planner.calibrate import measure
+    from loom.planner.calibrate import measure, memory_bandwidth
 
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))  # the tiny calibration models, and no crossover file
-    hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
     # 31M linear weights (63 MB in bf16): more than the caches hold, as in a real model.
     model_dir = reference_model_dir(dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256),
                                     name="planner-test")
     shape = from_hf_config(model_dir)
-    lines, errors = [], []
-    for batch in (1, 8):
-        # The fastest of the runs, as every calibration figure is: the slower runs measure the neighbours.
-        run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=5)
-        measured = 1 / max(run["all_steps_per_s"])
-        predicted = predict_decode_step(shape, hw, batch, "bf16", context=64 + 8)
-        errors.append(predicted / measured - 1)
-        lines.append(f"batch {batch}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
-                     f"({errors[-1]:+.1%})")
+    report = []
+    for attempt in range(3):
+        hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
+        errors = []
+        for batch in (1, 8):
+            # The fastest of the runs, as every calibration figure is: the slower runs measure the neighbours.
+            run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=5)
+            measured = 1 / max(run["all_steps_per_s"])
+            predicted = predict_decode_step(shape, hw, batch, "bf16", context=64 + 8)
+            errors.append(predicted / measured - 1)
+            report.append(f"attempt {attempt + 1}, batch {batch}: predicted {predicted * 1e3:.2f} ms, "
+                          f"measured {measured * 1e3:.2f} ms ({errors[-1]:+.1%})")
+        before, after = hw.memory_bandwidth, memory_bandwidth()
+        report.append(f"read bandwidth {before / 1e9:.1f} GB/s before, {after / 1e9:.1f} after")
+        if abs(after / before - 1) <= 0.15:
+            break
     with capsys.disabled():
-        print("\nCalibrated planner vs Loom decode steps:\n" + "\n".join(lines))
+        print("\nCalibrated planner vs Loom decode steps:\n" + "\n".join(report))
+    assert abs(after / before - 1) <= 0.15, "the machine's read bandwidth moved by more than 15% in every attempt"
     assert max(abs(e) for e in errors) <= 0.25
 
 
