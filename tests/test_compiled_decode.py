@@ -53,3 +53,22 @@ def test_engines_keep_their_own_graphs(tmp_path):
         for llm, expected in zip(engines, eager):
             outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_engines_do_not_share_dynamic_shapes(hf_models):
+    """Dynamo learns which sizes vary per function; an int8 and then an int4 engine in one
+    process must each compile with their weights' sizes fixed (sizes passed in as dynamic cost
+    about 1 ms per decode step of the 134M model)."""
+    from torch._dynamo.pgo import get_code_state  # Dynamo's per-function record of varying sizes
+
+    model_dir, _ = hf_models("llama_gqa")
+    names = []
+    for quantization in ("int8", "int4"):
+        _, llm = run(model_dir, False, dtype="bfloat16", quantization=quantization)
+        names.append(llm.engine.runner.decode_forward.__wrapped__.__code__.co_name)
+    assert names[0] != names[1]
+    states = {code.name: state for code, state in get_code_state().items()}
+    for name in names:
+        dynamic = [source for source, entry in states[name].automatic_dynamic.items() if "_modules" in source
+                   and ("?" in entry.render() or "dynamic" in entry.render())]
+        assert dynamic == [], f"{name}: weights compiled with dynamic sizes: {dynamic[:3]}"

@@ -15,6 +15,12 @@ from pathlib import Path
 
 PEER_PACKAGES = ["llama-cpp-python", "gguf", "numpy"]
 FTYPES = ("f32", "bf16", "q8_0", "q4_0")
+# A native CPU build (all the SIMD this machine has) with no GPU backend: the peer is a CPU
+# baseline. Less AMX: on CPUs that have it, llama.cpp's AMX backend takes q8_0/q4_0 matmuls,
+# and in this release it segfaults on them (ggml_backend_amx_mul_mat, llama.cpp issue 20824;
+# its q4_0 results were also wrong, PR 16315). An explicit -mno-* wins over -march=native.
+PEER_CMAKE_ARGS = ("-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF "
+                   "'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8'")
 
 
 def _peer_dir() -> Path:
@@ -28,13 +34,13 @@ def ensure_llamacpp_venv() -> Path:
     venv = _peer_dir() / "llamacpp-venv"
     python = venv / "bin" / "python"
     marker = venv / ".loom-ready"
-    if marker.is_file():
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = env.get("CMAKE_ARGS", PEER_CMAKE_ARGS)
+    build = " ".join(PEER_PACKAGES) + "\n" + env["CMAKE_ARGS"] + "\n"
+    if marker.is_file() and marker.read_text() == build:
         return python
     log_path = _peer_dir() / "llamacpp-build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    # A native CPU build (the SIMD this machine has) and no GPU backend: the peer is a CPU baseline.
-    env["CMAKE_ARGS"] = env.get("CMAKE_ARGS", "-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF")
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
     steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
              [str(python), "-m", "pip", "install", "--no-cache-dir", *PEER_PACKAGES]]
@@ -44,7 +50,7 @@ def ensure_llamacpp_venv() -> Path:
             log.flush()
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 raise RuntimeError(f"building the llama.cpp peer venv failed at `{' '.join(cmd)}`; see {log_path}")
-    marker.write_text(" ".join(PEER_PACKAGES) + "\n")
+    marker.write_text(build)
     return python
 
 
