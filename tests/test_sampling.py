@@ -8,7 +8,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.detokenizer import IncrementalDetokenizer, find_stop
-from loom.layers.sampler import SampleRow, apply_penalties, filtered_probs
+from loom.layers.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
 from loom.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from loom.tokenizer import Tokenizer
 
@@ -35,6 +35,20 @@ def test_penalties_match_direct_formula():
         expected[tok] = x
     torch.testing.assert_close(out[0], expected)
     torch.testing.assert_close(out[1], logits[1])  # no penalties: untouched
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    """Greedy picks torch.argmax's token, ties included (the first of equal maxima), whether
+    every row of the batch is greedy or only some are."""
+    logits = torch.randn(3, 32000, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, 900, 31999]] = 10.0
+    logits[1, [31000, 5]] = 10.0
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[:2] == [7, 5]
+    greedy = [row(SamplingParams(temperature=0)) for _ in range(3)]
+    assert [r.token_ids for r in Sampler(0)(logits, greedy)] == [[t] for t in expected]
+    mixed = greedy[:2] + [row(SamplingParams(temperature=1.0, seed=3))]
+    assert [r.token_ids for r in Sampler(0)(logits, mixed)[:2]] == [[t] for t in expected[:2]]
 
 
 def test_banned_tokens_masked():

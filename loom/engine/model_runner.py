@@ -132,7 +132,10 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.cache, meta)
         outputs = [SeqStepOutput() for _ in batch.seqs]
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            sampled = hidden  # decode-only steps sample every row: no gather
+            if len(sample_rows) < hidden.shape[0]:
+                sampled = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(sampled)
             rows = [self.sample_row(batch.seqs[i], (num_samples or {}).get(id(batch.seqs[i]), 1))
                     for i in sample_seqs]
             for i, result in zip(sample_seqs, self.sampler(logits, rows)):
