@@ -296,6 +296,9 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
     return rows
 
 
+ENGINE_LABELS = {"loom": "Loom", "hf-transformers": "HF", "llama.cpp": "llama.cpp"}
+
+
 def _latency_ratios(rows: list[dict]) -> dict[str, float]:
     """The issue's comparisons within one round: Loom over each peer, quantized over bf16."""
     def rate(engine: str, dtype: str, batch: int, quant: str | None = None) -> float | None:
@@ -323,7 +326,7 @@ def _latency_ratios(rows: list[dict]) -> dict[str, float]:
 
 def _latency(args: argparse.Namespace) -> None:
     from loom.bench import latency
-    from loom.bench.report import bar_plot, write_report
+    from loom.bench.report import write_report
     from loom.models.config import ModelConfig
     from loom.planner.calibrate import memory_bandwidth
 
@@ -363,11 +366,18 @@ def _latency(args: argparse.Namespace) -> None:
                                     "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
                                     "peak_read_GBps": peak / 1e9, "peak_read_GBps_rounds": [p / 1e9 for p in peaks],
                                     "results": rows, "ratios": ratios}, args.out_dir)
-    batch1 = [r for r in rows if r["batch"] == 1]
-    bar_plot(path.with_suffix(".png"), f"Batch-1 decode, prompt {args.prompt_len}, {args.threads} threads",
-             [f"{'Loom' if r['engine'] == 'loom' else r['engine']}\n{r.get('quantization') or r['dtype']}"
-              for r in batch1], [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
+    latency_plot(path.with_suffix(".png"), rows, args.prompt_len, args.threads)
     print(f"wrote {path}")
+
+
+def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int) -> None:
+    """Batch-1 tokens/s of every engine and variant (the `results` of latency.json)."""
+    from loom.bench.report import bar_plot
+
+    batch1 = [r for r in rows if r["batch"] == 1]
+    bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads",
+             [f"{ENGINE_LABELS[r['engine']]}\n{r.get('quantization') or r['dtype']}" for r in batch1],
+             [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
 
 
 def _planner(args: argparse.Namespace) -> None:

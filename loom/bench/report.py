@@ -48,7 +48,7 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4))
     bars = ax.bar(labels, values, color=["#4C72B0" if "loom" in l.lower() else "#999999" for l in labels])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel(ylabel)
