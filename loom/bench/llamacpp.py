@@ -19,8 +19,8 @@ FTYPES = ("f32", "bf16", "q8_0", "q4_0")
 # baseline. Less AMX: on CPUs that have it, llama.cpp's AMX backend takes q8_0/q4_0 matmuls,
 # and in this release it segfaults on them (ggml_backend_amx_mul_mat, llama.cpp issue 20824;
 # its q4_0 results were also wrong, PR 16315). An explicit -mno-* wins over -march=native.
-PEER_CMAKE_ARGS = ("-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF "
-                   "'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8'")
+_NO_AMX = "-mno-amx-tile -mno-amx-int8"
+PEER_CMAKE_ARGS = f"-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF '-DCMAKE_C_FLAGS={_NO_AMX}' '-DCMAKE_CXX_FLAGS={_NO_AMX}'"
 
 
 def _peer_dir() -> Path:

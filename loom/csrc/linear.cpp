@@ -133,7 +133,7 @@ inline __m512i quad_of(const int8_t* a) {
 // a bf16 pair, an int8 quad or an int4 octet), two 64-byte halves of 16 channels each.
 // Loading step s also prefetches step s + kPrefetchSteps: at batch 1 the hardware prefetcher
 // alone left each core short of memory parallelism (measured on the 134M model's layers:
-// bf16 weights streamed at 0.75 of the machine's read bandwidth without, 0.9 with 32 steps).
+// bf16 weights streamed at 0.68 of the machine's read bandwidth without, 0.85 with 32 steps).
 constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
 inline void load_step(const void* panel, int64_t s, __m512i& half0, __m512i& half1) {
   const char* p = static_cast<const char*>(panel) + s * kStepBytes;
