@@ -1,7 +1,9 @@
 """Engine settings, as dataclasses validated on construction.
 
 `EngineConfig` is what `LLM(...)` builds from its keyword arguments; the engine, scheduler,
-block manager and model runner each read the part they own.
+block manager and model runner each read the part they own. Building it reads the model's
+`config.json` (once: everyone else uses `EngineConfig.model_config`) and resolves what depends
+on the model, such as `max_model_len`.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from loom.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; capped below by what max_num_seqs x max_model_len can use
@@ -70,7 +74,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    max_model_len: int = 0  # 0: the model's max_position_embeddings (set by the engine)
+    max_model_len: int = 0  # 0: the model's max_position_embeddings (resolved by EngineConfig)
     preemption_mode: str = "recompute"  # or "swap": blocks move to the second tier (swap_space)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,14 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+
+
+ATTENTION_BACKENDS = ("cpp", "torch")
+
+
+def default_enforce_eager() -> bool:
+    """LOOM_ENFORCE_EAGER=1 in the environment runs every step eagerly."""
+    return os.environ.get("LOOM_ENFORCE_EAGER", "0") == "1"
 
 
 @dataclass
@@ -94,11 +106,36 @@ class EngineConfig:
     pack_linear_weights: bool = True  # panel-layout weights for Loom's CPU kernels (loom/layers/linear.py)
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
     group_size: int = 32             # int4 group size
+    # "cpp" (Loom's kernel over the paged pool, CPU) or "torch" (plain PyTorch, any device: the
+    # reference); None picks cpp on CPU, torch elsewhere.
+    attention_backend: str | None = None
     # Run every step eagerly. Otherwise decode-only steps (CPU, C++ attention) go through a
     # torch.compile'd forward: small ops fused, little Python per step. None: the value of the
     # environment variable LOOM_ENFORCE_EAGER ("1" = eager), else False.
     enforce_eager: bool | None = None
+    model_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
         if self.enforce_eager is None:
-            self.enforce_eager = os.environ.get("LOOM_ENFORCE_EAGER", "0") == "1"
+            self.enforce_eager = default_enforce_eager()
+        if self.attention_backend is None:
+            self.attention_backend = "cpp" if torch.device(self.device).type == "cpu" else "torch"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
+        self.model_config = ModelConfig.from_dir(self.model)
+        if self.quantization is not None and self.model_config.quantization is not None:
+            raise ValueError(f"quantization: {self.model} is already quantized "
+                             f"({self.model_config.quantization['method']}); load it without quantization=")
+        sched, max_positions = self.scheduler, self.model_config.max_position_embeddings
+        if sched.max_model_len <= 0:
+            sched.max_model_len = max_positions
+        elif sched.max_model_len > max_positions:
+            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_positions}")
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {sched.max_num_batched_tokens} < max_model_len "
+                             f"{sched.max_model_len}; without chunked prefill a whole prompt must fit one step")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len

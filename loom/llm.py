@@ -1,17 +1,17 @@
 """The offline API, in vLLM's conventions: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
-from loom.engine.llm_engine import EngineStats, LLMEngine
-from loom.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.engine.input_processor import Prompt
+from loom.engine.llm_engine import LLMEngine
+from loom.outputs import EngineStats, RequestOutput
+from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.tokenizer import Tokenizer
-
-Prompt = str | dict
 
 
 class InvalidRequestsError(ValueError):
@@ -35,13 +35,14 @@ class LLM:
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len or 0, preemption_mode=preemption_mode),
         )
-        self.engine = LLMEngine(config, attention_backend)
+        self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -65,6 +66,9 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        # Only the final outputs are kept: the engine need not build the others.
+        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final_only[id(p)] for p in params]
 
         order: dict[str, int] = {}
         errors: dict[int, ValueError] = {}
@@ -87,12 +91,13 @@ class LLM:
             with bar:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
-                        if out.finished:
+                        if out.finished and out.request_id in order:
                             results[order[out.request_id]] = out
                             bar.update(1)
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
                 self.engine.abort_request(request_id)
+            self.engine.step()  # takes the aborts in; runs nothing of theirs
             raise
         return results
 

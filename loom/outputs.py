@@ -31,3 +31,29 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's queues and KV pool."""
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_swapped: int            # sequences whose blocks are in the second tier now
+    num_swap_outs: int          # preemptions that swapped (the rest recomputed)
+    num_free_swap_blocks: int   # second-tier slots free (all of them when nothing is swapped)
+    prefix_cache_queries: int   # prompt tokens looked up
+    prefix_cache_hits: int      # of those, found in the cache
+    kv_slots_allocated: int     # token slots in blocks held by running sequences
+    kv_slots_used: int          # of those, holding a computed token
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def kv_waste(self) -> float:
+        return 1 - self.kv_slots_used / self.kv_slots_allocated if self.kv_slots_allocated else 0.0

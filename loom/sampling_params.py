@@ -1,11 +1,18 @@
 """SamplingParams: what a request asks of decoding, in vLLM's names and semantics."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20        # top-N logprobs a request may ask for (per token)
 MAX_STOP_STRINGS = 32
 MAX_N = 64
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output holds everything generated so far
+    DELTA = "delta"            # every output holds what is new since the last one
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass
@@ -28,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-N logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what the engine's step outputs carry
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

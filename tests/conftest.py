@@ -94,3 +94,22 @@ def text_model(tmp_path_factory):
     return d
 
 
+
+
+def engine_logprobs(llm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Teacher-forced through the engine: the logprob of each of ids[1:] given the tokens
+    before it, and the engine's most likely token at each of those positions."""
+    from loom import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    scored = out.prompt_logprobs[1:]
+    actual = torch.tensor([d[t].logprob for d, t in zip(scored, ids[1:])])
+    return actual, [next(t for t, lp in d.items() if lp.rank == 1) for d in scored]
+
+
+def hf_logprobs(model, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The same from a transformers model: logprobs of ids[1:] and the argmax at each position."""
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+    return logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1), logprobs.argmax(dim=-1).tolist()

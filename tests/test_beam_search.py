@@ -50,13 +50,13 @@ def test_some_beams_end_early_with_eos(beam_model):
 def test_beams_share_blocks(beam_model):
     model_dir, _ = beam_model
     llm = LLM(str(model_dir))
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine = llm.engine
     prompt = list(range(3, 200))  # 13 blocks: every beam would need its own 13 without sharing
     engine.add_beam_request({"prompt_token_ids": prompt}, 4, MAX_NEW, ignore_eos=True)
     most = 0
     while engine.has_unfinished_requests():
         engine.step()
-        most = max(most, bm.num_blocks - bm.num_free_blocks)
+        most = max(most, llm.stats().num_blocks - llm.stats().num_free_blocks)
     assert most <= 13 + 4 * 2  # the shared prompt, plus each beam's own tail (and one CoW copy)
 
 

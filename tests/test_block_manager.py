@@ -1,22 +1,32 @@
 """Block manager unit tests: allocation, ref counts, copy-on-write, fork, prefix reuse, LRU."""
 from __future__ import annotations
 
-from loom.engine.block_manager import BlockManager
-from loom.engine.sequence import Sequence
-from loom.sampling_params import SamplingParams
+from dataclasses import dataclass, field
+
+from loom.kv.block_manager import BlockManager, SlotMap
 
 BS = 4
 
 
-def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, list(tokens), SamplingParams())
+@dataclass
+class Seq:
+    """A sequence as the block manager sees it: its tokens and its slot map."""
+    tokens: list[int]
+    kv: SlotMap = field(default_factory=lambda: SlotMap(BS))
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.kv.block_ids
 
 
-def compute(bm: BlockManager, s: Sequence, n: int) -> None:
-    """What the engine does around a step: allocate, 'compute', register full blocks."""
-    assert bm.allocate_slots(s, n)
-    s.num_computed_tokens += n
-    bm.register_full_blocks(s)
+def seq(tokens) -> Seq:
+    return Seq(list(tokens))
+
+
+def compute(bm: BlockManager, s: Seq, n: int) -> None:
+    """What the scheduler does around a step: allocate, (compute,) commit the stored tokens."""
+    assert bm.allocate(s.kv, n)
+    bm.commit(s.kv, n, lambda: s.tokens)
 
 
 def test_allocation_and_free():
@@ -26,20 +36,20 @@ def test_allocation_and_free():
     assert len(s.block_table) == 3 and len(set(s.block_table)) == 3
     assert all(bm.blocks[b].ref_count == 1 for b in s.block_table)
     assert bm.num_free_blocks == 5
-    s.output_token_ids.extend([1, 2])  # tokens 10, 11 fit the third block
+    s.tokens.extend([1, 2])  # tokens 10, 11 fit the third block
     compute(bm, s, 2)
     assert len(s.block_table) == 3
-    s.output_token_ids.append(3)
+    s.tokens.append(3)
     compute(bm, s, 1)
     assert len(s.block_table) == 4
-    bm.free(s)
+    bm.free(s.kv)
     assert bm.num_free_blocks == 8 and s.block_table == []
 
 
 def test_allocation_refused_changes_nothing():
     bm = BlockManager(2, BS)
     s = seq(range(12))
-    assert not bm.allocate_slots(s, 12)
+    assert not bm.allocate(s.kv, 12)
     assert bm.num_free_blocks == 2 and s.block_table == []
 
 
@@ -47,23 +57,21 @@ def test_fork_shares_and_copy_on_write_only_partial_block():
     bm = BlockManager(8, BS)
     parent = seq(range(6))
     compute(bm, parent, 6)  # blocks: [full, partial(2 of 4)]
-    child = seq(range(6), "child")
-    bm.fork(parent, child)
+    child = Seq(list(range(6)), bm.fork(parent.kv))
     assert child.block_table == parent.block_table
     assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
-    child.output_token_ids.append(42)
+    child.tokens.append(42)
     compute(bm, child, 1)  # writes into the shared partial block -> copied first
-    assert bm.pending_copies == [(parent.block_table[1], child.block_table[1])]
+    assert bm.take_copies() == [(parent.block_table[1], child.block_table[1])]
     assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
     assert child.block_table[1] != parent.block_table[1]
     assert bm.blocks[parent.block_table[1]].ref_count == 1
     assert bm.blocks[parent.block_table[0]].ref_count == 2
-    bm.pending_copies.clear()
-    parent.output_token_ids.append(7)
+    parent.tokens.append(7)
     compute(bm, parent, 1)  # parent's partial block is no longer shared: no copy
-    assert bm.pending_copies == []
-    bm.free(parent)
-    bm.free(child)
+    assert bm.take_copies() == []
+    bm.free(parent.kv)
+    bm.free(child.kv)
     assert bm.num_free_blocks == 8
 
 
@@ -73,14 +81,14 @@ def test_prefix_hash_reuse_across_requests():
     compute(bm, a, 11)
     assert bm.num_cached_blocks == 2
     b = seq(list(range(100, 108)) + [1, 2, 3, 4, 5])  # same first 2 blocks, then differs
-    hits = bm.match_prefix(b)
+    hits = bm.match_prefix(b.tokens)
     assert hits == a.block_table[:2]
-    assert bm.allocate_slots(b, b.num_tokens - 8, hits)
-    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert bm.allocate(b.kv, len(b.tokens) - 8, hits)
+    assert b.kv.num_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     assert bm.blocks[hits[0]].ref_count == 2
     # a different first block breaks the chain even if the second block's tokens match
     c = seq([0, 0, 0, 0] + list(range(104, 108)) + [9])
-    assert bm.match_prefix(c) == []
+    assert bm.match_prefix(c.tokens) == []
 
 
 def test_prefix_match_leaves_last_token_to_compute():
@@ -88,14 +96,14 @@ def test_prefix_match_leaves_last_token_to_compute():
     a = seq(range(8))
     compute(bm, a, 8)
     same = seq(range(8))
-    assert len(bm.match_prefix(same)) == 1  # not 2: the last token's logits are needed
+    assert len(bm.match_prefix(same.tokens)) == 1  # not 2: the last token's logits are needed
 
 
 def test_prefix_caching_off():
     bm = BlockManager(16, BS, enable_prefix_caching=False)
     a = seq(range(8))
     compute(bm, a, 8)
-    assert bm.num_cached_blocks == 0 and bm.match_prefix(seq(range(9))) == []
+    assert bm.num_cached_blocks == 0 and bm.match_prefix(list(range(9))) == []
 
 
 def test_lru_eviction_of_unreferenced_cached_blocks():
@@ -105,21 +113,21 @@ def test_lru_eviction_of_unreferenced_cached_blocks():
     b = seq(range(50, 58))
     compute(bm, b, 8)
     b_blocks = list(b.block_table)
-    bm.free(a)  # a's blocks become evictable first (least recently used)
-    bm.free(b)
+    bm.free(a.kv)  # a's blocks become evictable first (least recently used)
+    bm.free(b.kv)
     assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 4
     c = seq(range(90, 98))
     compute(bm, c, 8)  # needs 2 blocks: evicts a's, keeps b's
     assert bm.num_cached_blocks == 4
-    assert bm.match_prefix(seq(range(50, 59))) == b_blocks
-    assert bm.match_prefix(seq(range(9))) == []
-    bm.free(c)
+    assert bm.match_prefix(list(range(50, 59))) == b_blocks
+    assert bm.match_prefix(list(range(9))) == []
+    bm.free(c.kv)
     # a hit on an evictable block takes it back out of the LRU
     d = seq(range(50, 59))
-    hits = bm.match_prefix(d)
-    assert bm.allocate_slots(d, 1, hits)
+    hits = bm.match_prefix(d.tokens)
+    assert bm.allocate(d.kv, 1, hits)
     assert all(bm.blocks[h].ref_count == 1 for h in hits) and bm.num_free_blocks == 1
-    bm.free(d)
+    bm.free(d.kv)
     assert bm.num_free_blocks == 4
 
 
@@ -127,9 +135,61 @@ def test_hit_blocks_are_not_counted_as_free_space():
     bm = BlockManager(3, BS)
     a = seq(range(8))
     compute(bm, a, 8)
-    bm.free(a)  # 2 evictable cached blocks + 1 free
+    bm.free(a.kv)  # 2 evictable cached blocks + 1 free
     b = seq(list(range(8)) + list(range(20, 29)))  # hits 2 blocks, needs 3 more for 9 tokens
-    hits = bm.match_prefix(b)
+    hits = bm.match_prefix(b.tokens)
     assert len(hits) == 2
-    assert not bm.allocate_slots(b, 9, hits)
+    assert not bm.allocate(b.kv, 9, hits)
     assert bm.num_free_blocks == 3 and all(bm.blocks[h].ref_count == 0 for h in hits)
+
+
+def test_fork_copies_the_map_not_the_list():
+    bm = BlockManager(8, BS)
+    parent = seq(range(5))
+    compute(bm, parent, 5)
+    child = Seq(list(range(5)), bm.fork(parent.kv))
+    child.tokens += [9, 9, 9, 9]
+    compute(bm, child, 4)  # copy-on-write of block 1, then a new block 2
+    assert len(parent.block_table) == 2 and len(child.block_table) == 3
+    assert parent.kv.num_tokens == 5 and child.kv.num_tokens == 9
+
+
+def test_stored_tokens_map_to_slots_in_table_order():
+    bm = BlockManager(8, BS)
+    s = seq(range(6))
+    compute(bm, s, 6)
+    b0, b1 = s.block_table
+    assert s.kv.slots(0, 6) == [b0 * BS, b0 * BS + 1, b0 * BS + 2, b0 * BS + 3, b1 * BS, b1 * BS + 1]
+    assert s.kv.blocks_for(4) == [b0] and s.kv.blocks_for(5) == [b0, b1]
+
+
+def test_swap_out_and_in_keep_the_stored_tokens():
+    bm = BlockManager(4, BS, num_swap_blocks=3)
+    s = seq(range(6))
+    compute(bm, s, 6)
+    assert bm.can_swap_out(s.kv)
+    out = bm.swap_out(s.kv)
+    assert [pool for pool, _ in out] == [0, 1] and bm.num_free_blocks == 4 and bm.num_free_swap_blocks == 1
+    assert s.kv.num_tokens == 6 and s.block_table == []
+    assert bm.can_swap_in(s.kv, 1)
+    back = bm.swap_in(s.kv)
+    assert [slot for slot, _ in back] == [slot for _, slot in out] and bm.num_free_swap_blocks == 3
+    bm.free(s.kv)
+    assert bm.num_free_blocks == 4
+
+
+def test_free_returns_swap_slots():
+    bm = BlockManager(4, BS, num_swap_blocks=3)
+    s = seq(range(6))
+    compute(bm, s, 6)
+    bm.swap_out(s.kv)
+    bm.free(s.kv)  # an aborted sequence that was swapped out
+    assert bm.num_free_swap_blocks == 3 and s.kv.swap_ids == []
+
+
+def test_usage_counts_shared_blocks_once():
+    bm = BlockManager(8, BS)
+    a = seq(range(6))
+    compute(bm, a, 6)
+    b = Seq(list(range(6)), bm.fork(a.kv))
+    assert bm.usage([a.kv, b.kv]) == (2 * BS, 6)

@@ -168,14 +168,104 @@ def test_kv_waste_and_stats_midway(gqa_dir):
     _assert_no_leak(llm)
 
 
-def test_abort_frees_blocks(gqa_dir):
+def test_abort_frees_blocks_and_reports(gqa_dir):
     llm = LLM(str(gqa_dir))
     rid = llm.engine.add_request(_workload()[3], GREEDY)
+    other = llm.engine.add_request(_workload()[4], GREEDY)
+    llm.engine.step()
     llm.engine.step()
     assert llm.stats().num_free_blocks < llm.stats().num_blocks
     llm.engine.abort_request(rid)
-    assert not llm.engine.has_unfinished_requests()
+    outs = {o.request_id: o for o in llm.engine.step()}
+    final = outs[rid]
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) == 2  # what it had generated before the abort
+    assert not outs[other].finished
+    while llm.engine.has_unfinished_requests():
+        outs = llm.engine.step()
+        assert all(o.request_id == other for o in outs)
+    llm.engine.abort_request(rid)  # finished or unknown ids are ignored
+    assert llm.engine.step() == []
     _assert_no_leak(llm)
+
+
+def test_abort_of_a_waiting_request(gqa_dir):
+    llm = LLM(str(gqa_dir), max_num_seqs=1)
+    first = llm.engine.add_request(_workload()[0], GREEDY)
+    queued = llm.engine.add_request(_workload()[1], GREEDY)
+    llm.engine.step()  # only the first runs
+    llm.engine.abort_request(queued)
+    outs = {o.request_id: o for o in llm.engine.step()}
+    assert outs[queued].finished and outs[queued].outputs[0].finish_reason == "abort"
+    assert outs[queued].outputs[0].token_ids == []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+    assert first != queued
+
+
+def test_add_and_abort_from_another_thread_while_stepping(gqa_dir, baseline):
+    """Requests added and aborted from other threads while the engine steps: the added ones
+    complete with the outputs they have alone, the aborted ones report an abort, nothing leaks."""
+    import threading
+
+    llm = LLM(str(gqa_dir))
+    engine = llm.engine
+    prompts = _workload()
+    finals: dict[str, object] = {}
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set() or engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+
+    stepper = threading.Thread(target=loop)
+    stepper.start()
+    try:
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        doomed = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+                  for p in prompts[:3]]
+        for request_id in doomed:
+            engine.abort_request(request_id)
+    finally:
+        stop.set()
+        stepper.join(timeout=300)
+    assert not stepper.is_alive()
+    assert [finals[i].outputs[0].token_ids for i in ids] == baseline
+    assert all(finals[i].outputs[0].finish_reason == "abort" for i in doomed)
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative", "final_only"])
+def test_output_kinds(text_model, kind):
+    """DELTA outputs add up to the CUMULATIVE ones; FINAL_ONLY gives one output, the same."""
+    from loom.sampling_params import RequestOutputKind
+
+    llm = LLM(str(text_model))
+    prompt = "To be, or not"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].text[12:15]  # a stop string inside the text: held back, then cut
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=1)
+    expected = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    rid = llm.engine.add_request(prompt, SamplingParams(**params, output_kind=RequestOutputKind(kind)))
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += [o for o in llm.engine.step() if o.request_id == rid]
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    if kind == "final_only":
+        assert len(outs) == 1
+    if kind == "delta":
+        assert len(outs) > 1
+        text = "".join(o.outputs[0].text for o in outs)
+        tokens = [t for o in outs for t in o.outputs[0].token_ids]
+        logprobs = [lp for o in outs for lp in o.outputs[0].logprobs]
+    else:
+        text, tokens, logprobs = outs[-1].outputs[0].text, outs[-1].outputs[0].token_ids, outs[-1].outputs[0].logprobs
+    assert (text, tokens, logprobs) == (expected.text, expected.token_ids, expected.logprobs)
+    assert outs[-1].outputs[0].finish_reason == expected.finish_reason
 
 
 def test_config_errors(gqa_dir):
@@ -197,7 +287,7 @@ def test_swap_preemption_same_outputs(gqa_dir, baseline, prefix_caching):
     assert s.num_swap_outs > 0 and s.num_swapped == 0
     assert tokens == baseline
     _assert_no_leak(llm)
-    assert len(llm.engine.block_manager.free_swap_ids) == 64
+    assert s.num_free_swap_blocks == 64
 
 
 def test_swap_space_too_small_falls_back_to_recompute(gqa_dir, baseline):
@@ -209,7 +299,6 @@ def test_swap_space_too_small_falls_back_to_recompute(gqa_dir, baseline):
 
 
 def test_swapped_blocks_come_back_intact(gqa_dir):
-    from loom.engine.sequence import Sequence
     from loom.kv.cache import KVCache
     from loom.kv.swap import SwapSpace
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import engine_logprobs, hf_greedy, hf_logprobs
 from loom import LLM, SamplingParams
 
 PROMPT_LENGTHS = (1, 7, 16, 29, 64)
@@ -40,11 +40,20 @@ def test_long_context_beyond_llama3_original_length(hf_models):
 
 
 def test_bfloat16_tracks_fp32(hf_models):
-    """bf16 is not bit-identical, but its logits must stay close to transformers' fp32 ones."""
+    """bf16 is not bit-identical, but over a whole generated sequence (prompt and 40 tokens,
+    teacher-forced) its logprobs stay close to transformers' fp32 ones and it ranks the same
+    token first almost everywhere."""
     model_dir, hf = hf_models("llama_gqa")
     prompt = _prompts(seed=5)[3]
     llm = LLM(str(model_dir), dtype="bfloat16")
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
-    ref = hf_greedy(hf, prompt, 8)
-    assert out[:2] == ref[:2]
+    ids = prompt + out
+    got, got_top = engine_logprobs(llm, ids)
+    ref, ref_top = hf_logprobs(hf, ids)
+    # Measured here: at most 0.21 nats off, 0.03 on average, the same first token at 91-100% of
+    # positions over five prompts (the random model has near-ties); fp32 itself is within 1e-4.
+    error = (got - ref).abs()
+    assert error.max() < 0.5 and error.mean() < 0.06, (error.max(), error.mean())
+    agree = sum(a == b for a, b in zip(got_top, ref_top)) / len(ref_top)
+    assert agree >= 0.9, agree

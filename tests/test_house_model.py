@@ -34,9 +34,18 @@ def test_greedy_matches_transformers(dtype):
 
 
 def test_chat_template_renders(tmp_path):
+    """The exact prompt the house template makes of a conversation, and that `chat` generates
+    from exactly its tokens (BOS once)."""
     llm = LLM(str(HOUSE))
-    text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Speak."}])
-    assert text.startswith("<s>") and text.endswith("ASSISTANT:\n")
-    out = llm.chat([{"role": "user", "content": "Speak."}], SamplingParams(temperature=0, max_tokens=8),
-                   use_tqdm=False)
-    assert out[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak."},
+                {"role": "assistant", "content": "I will."}, {"role": "user", "content": "Again."}]
+    text = tok.apply_chat_template(messages)
+    assert text == "<s>SYSTEM:\nBe brief.\n\nUSER:\nSpeak.\n\nASSISTANT:\nI will.\n\nUSER:\nAgain.\n\nASSISTANT:\n"
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == text.removesuffix("ASSISTANT:\n")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    assert out.prompt_token_ids.count(out.prompt_token_ids[0]) == 1  # BOS once
+    plain = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids and out.outputs[0].token_ids

@@ -12,7 +12,7 @@ import pytest
 from loom.planner.collectives import Collective, collective_time, paper_time
 from loom.planner.cost import (decode_step_cost, estimate, kv_bytes_per_chip, layer_weight_bytes, max_context,
                                predict_decode_step)
-from loom.planner.hardware import GiB, PRESETS as HARDWARE, Hardware, load_hardware_file
+from loom.planner.hardware import GiB, PRESETS as HARDWARE, STEP_OVERHEAD_TERMS, Hardware, load_hardware_file
 from loom.planner.layouts import Layout, block_collectives, hop_b_time
 from loom.planner.presets import PRESETS, ModelShape, from_hf_config
 from loom.planner.search import chip_counts, decode_sweep, helix_gain, interactivity_front, ttl
@@ -213,43 +213,28 @@ def test_calibrated_components_price_the_step(tmp_path) -> None:
         replace(hw, linear_bandwidth={"bf16": [1e9]})
 
 
-def test_calibrated_prediction_matches_loom_decode(tmp_path, monkeypatch, capsys) -> None:
-    """Calibrate Loom's components, then predict the decode steps of a model the calibration
-    never ran (other widths, depth, vocabulary) and compare with Loom's own measured steps.
-    The machine is shared and its read bandwidth moves between phases (~45 and ~75 GB/s here):
-    a prediction can only match a measurement made on the hardware it was calibrated on, so
-    the bandwidth is probed before the calibration and after the measurement, and an attempt in
-    which it moved by more than 15% is repeated (at most 3 attempts)."""
-    from loom.bench.latency import run_loom
-    from loom.bench.reference_model import reference_model_dir
-    from loom.planner.calibrate import measure, memory_bandwidth
+def test_calibration_describes_the_machine_for_the_planner(tmp_path, monkeypatch) -> None:
+    """`loom calibrate`'s measurements make a hardware description the planner predicts Loom's
+    steps with. How close the prediction comes is a timing, so `loom bench planner` measures it;
+    here every figure must exist, be positive and finite, and survive the JSON round trip."""
+    from loom.bench.calibrate import measure
+    from loom.models.reference import reference_model_dir
 
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))  # the tiny calibration models, and no crossover file
-    # 31M linear weights (63 MB in bf16): more than the caches hold, as in a real model.
-    model_dir = reference_model_dir(dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256),
-                                    name="planner-test")
-    shape = from_hf_config(model_dir)
-    report = []
-    for attempt in range(3):
-        hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
-        errors = []
-        for batch in (1, 8):
-            # The fastest of the runs, as every calibration figure is: the slower runs measure the neighbours.
-            run = run_loom(model_dir, "bfloat16", None, batch, prompt_len=64, max_tokens=17, repeats=5)
-            measured = 1 / max(run["all_steps_per_s"])
-            predicted = predict_decode_step(shape, hw, batch, "bf16", context=64 + 8)
-            errors.append(predicted / measured - 1)
-            report.append(f"attempt {attempt + 1}, batch {batch}: predicted {predicted * 1e3:.2f} ms, "
-                          f"measured {measured * 1e3:.2f} ms ({errors[-1]:+.1%})")
-        before, after = hw.memory_bandwidth, memory_bandwidth()
-        report.append(f"read bandwidth {before / 1e9:.1f} GB/s before, {after / 1e9:.1f} after")
-        if abs(after / before - 1) <= 0.15:
-            break
-    with capsys.disabled():
-        print("\nCalibrated planner vs Loom decode steps:\n" + "\n".join(report))
-    assert abs(after / before - 1) <= 0.15, "the machine's read bandwidth moved by more than 15% in every attempt"
-    assert max(abs(e) for e in errors) <= 0.25
+    hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
+    figures = [hw.memory_bandwidth, *hw.peak_flops.values(), *hw.linear_bandwidth["bf16"], *hw.kv_bandwidth.values()]
+    assert len(hw.linear_bandwidth["bf16"]) == 2 and set(hw.step_overhead) == set(STEP_OVERHEAD_TERMS)
+    assert all(math.isfinite(x) and x > 0 for x in figures)
+    assert all(math.isfinite(x) for x in hw.step_overhead.values())
+    path = tmp_path / "hw.json"
+    path.write_text(hw.to_json())
+    assert load_hardware_file(path) == hw
+    shape = from_hf_config(reference_model_dir(dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=4, max_position_embeddings=256),
+                                               name="planner-test"))
+    steps = [predict_decode_step(shape, hw, batch, "bf16", context=72) for batch in (1, 8)]
+    assert all(math.isfinite(t) and t > 0 for t in steps)
 
 
 def test_collective_alpha_beta() -> None:
@@ -273,7 +258,7 @@ def test_hf_config_and_hardware_file(tmp_path) -> None:
 
 
 def test_plan_command(tmp_path, capsys) -> None:
-    from loom.planner.cli import register
+    from loom.cli.plan import register
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     png = tmp_path / "sweep.png"

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import engine_logprobs, hf_logprobs
 from loom import LLM, SamplingParams
 from loom.quant.linear import WeightOnlyLinear
 from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4,
@@ -98,14 +99,16 @@ def test_crossover_read_from_calibration_file(tmp_path, monkeypatch, hf_models):
     crossover_path().write_text(json.dumps({"crossover": {"int8": 3, "int4": 11}}))
     assert load_crossover("int4") == 11
     llm = LLM(str(hf_models("llama_gqa")[0]), quantization="int4")
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, WeightOnlyLinear)]
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, WeightOnlyLinear)]
     assert layers and all(m.crossover == 11 for m in layers)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_engine_equals_dequantized_weights(hf_models, tmp_path, method):
+def test_quantized_engine_tracks_dequantized_weights(hf_models, method):
     """The obviously-right reference: the same model in fp32 with every linear weight replaced
-    by its dequantized value. Only bf16 activation rounding separates the two."""
+    by its dequantized value. What separates the two is the kernels' int8 copy of the
+    activations (and int4's bf16 scales). Over each prompt and 40 tokens the quantized engine
+    generates, teacher-forced: logprobs close, the same first choice at most positions."""
     model_dir, hf = hf_models("llama_gqa")
     import copy
 
@@ -117,28 +120,36 @@ def test_quantized_engine_equals_dequantized_weights(hf_models, tmp_path, method
                     m.weight.copy_(dequantize_int8(*quantize_int8(m.weight)))
                 else:
                     m.weight.copy_(dequantize_int4(*quantize_int4(m.weight, 32)))
-    ref.save_pretrained(tmp_path / "dequantized")
-    expected = LLM(str(tmp_path / "dequantized")).generate(PROMPTS, GREEDY, use_tqdm=False)
-    got = LLM(str(model_dir), quantization=method).generate(PROMPTS, GREEDY, use_tqdm=False)
-    for a, b in zip(expected, got):
-        assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+    llm = LLM(str(model_dir), quantization=method)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = prompt["prompt_token_ids"] + llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        got, got_top = engine_logprobs(llm, ids)
+        want, want_top = hf_logprobs(ref, ids)
+        # Measured here: at most 0.30 nats off, 0.04-0.06 on average, 91-96% the same first choice.
+        error = (got - want).abs()
+        assert error.max() < 0.6 and error.mean() < 0.1, (error.max(), error.mean())
+        agree = sum(a == b for a, b in zip(got_top, want_top)) / len(want_top)
+        assert agree >= 0.85, agree
 
 
 @pytest.mark.parametrize("method, group_size", [("int8", 32), ("int4", 32), ("int4", 64)])
-def test_quantized_checkpoint_round_trip(hf_models, tmp_path, method, group_size):
-    from loom.quant.checkpoint import write_quantized_checkpoint
+def test_quantized_checkpoint_round_trip(hf_models, tmp_path, capsys, method, group_size):
+    from loom.cli import main
 
     model_dir, _ = hf_models("qwen2_bias")
     dst = tmp_path / "q"
-    write_quantized_checkpoint(model_dir, dst, method, group_size)
+    main(["quantize", str(model_dir), str(dst), "--method", method, "--group-size", str(group_size)])
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["method"] == method
     at_load = LLM(str(model_dir), quantization=method, group_size=group_size).generate(PROMPTS, GREEDY,
                                                                                        use_tqdm=False)
     saved = LLM(str(dst)).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in saved] == [o.outputs[0].token_ids for o in at_load]
-    with pytest.raises(ValueError, match="already quantized"):
-        write_quantized_checkpoint(dst, tmp_path / "again", "int8", 32)
+    with pytest.raises(SystemExit):
+        main(["quantize", str(dst), str(tmp_path / "again")])
+    assert "already quantized" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
     with pytest.raises(ValueError, match="already quantized"):
         LLM(str(dst), quantization="int8")
 

@@ -137,13 +137,20 @@ def test_prompt_logprobs_across_chunks_and_with_prefix_cache(hf_models):
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
-def test_min_tokens_suppresses_eos_and_stop_ids(hf_models):
+def test_min_tokens_suppresses_eos_and_stop_ids(hf_models, tmp_path):
+    import json
+    import shutil
+
     model_dir, _ = hf_models("llama_gqa")
-    llm = LLM(str(model_dir))
-    free = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    free = LLM(str(model_dir)).generate({"prompt_token_ids": PROMPT},
+                                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                        use_tqdm=False)[0].outputs[0].token_ids
     first = free[0]
-    llm.engine.eos_token_ids.add(first)  # make the greedy first token an EOS
+    eos_model = tmp_path / "eos"  # the same model with the greedy first token as its EOS
+    shutil.copytree(model_dir, eos_model)
+    config = json.loads((eos_model / "config.json").read_text())
+    (eos_model / "config.json").write_text(json.dumps(dict(config, eos_token_id=first)))
+    llm = LLM(str(eos_model))
     stopped = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=8),
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
@@ -151,10 +158,9 @@ def test_min_tokens_suppresses_eos_and_stop_ids(hf_models):
                         use_tqdm=False)[0].outputs[0]
     assert held.token_ids[0] != first and len(held.token_ids) >= 3
     assert first not in held.token_ids[:3]
-    llm.engine.eos_token_ids.discard(first)
-    by_id = llm.generate({"prompt_token_ids": PROMPT},
-                         SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[first]),
-                         use_tqdm=False)[0].outputs[0]
+    by_id = LLM(str(model_dir)).generate({"prompt_token_ids": PROMPT},
+                                         SamplingParams(temperature=0, max_tokens=8, min_tokens=2,
+                                                        stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
     assert first not in by_id.token_ids[:2]
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from loom.data.needles import (
+from loom.bench.needles import (
     character_names,
     make_needle_sample,
     needle_answer,

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 # The script lives in tools/; make the repository's `loom` package importable when run directly.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loom.layers.norm import RMSNorm  # noqa: E402  (the engine's own, so the numerics match)
-from loom.data.needles import (  # noqa: E402
+from loom.bench.needles import (  # noqa: E402
     character_names,
     make_needle_sample,
     needle_answer,
@@ -694,7 +694,7 @@ Seeded throughout; the result depends only on the commands and the thread count
   of the held-out text, windows of {model_cfg.max_position_embeddings} tokens each starting with BOS).
 - Unigram baseline (add-one-smoothed training-split token frequencies): {results['unigram_nats_per_char']:.4f} nats per character.
 - Needle retrieval, greedy, {cfg.final_needles} fresh needles per context length (prompt plus answer
-  tokens, BOS included) built by `loom.data.needles.make_needle_sample` on held-out haystacks.
+  tokens, BOS included) built by `loom.bench.needles.make_needle_sample` on held-out haystacks.
   An answer counts when all of ` NNNNN.` is the argmax continuation, exactly when greedy
   decoding would produce it:
 

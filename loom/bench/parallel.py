@@ -15,7 +15,7 @@ def run(model_dir: Path, dtype: str, n: int, prompt_len: int, output_len: int, v
     prompt = {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(prompt_len)]}
     llm = LLM(str(model_dir), dtype=dtype, enable_prefix_caching=forked)
     llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine = llm.engine
     if forked:
         engine.add_request(prompt, SamplingParams(n=n, temperature=1.0, max_tokens=output_len, ignore_eos=True,
                                                   seed=seed))
@@ -27,8 +27,10 @@ def run(model_dir: Path, dtype: str, n: int, prompt_len: int, output_len: int, v
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        peak_blocks = max(peak_blocks, bm.num_blocks - bm.num_free_blocks)
+        stats = llm.stats()
+        peak_blocks = max(peak_blocks, stats.num_blocks - stats.num_free_blocks)
     elapsed = time.perf_counter() - start
-    block_bytes = llm.engine.cache.keys[0][0].nbytes * 2 * len(llm.engine.cache.keys)
+    cache = engine.runner.cache
+    block_bytes = cache.keys[0][0].nbytes * 2 * len(cache.keys)
     return {"mode": f"n={n} forked" if forked else f"{n} separate requests", "seconds": elapsed,
             "peak_kv_blocks": peak_blocks, "peak_kv_bytes": peak_blocks * block_bytes}

@@ -1,5 +1,5 @@
 """The planner against Loom: each decode step time `loom plan` predicts from the calibrated
-components (loom/planner/calibrate.py) next to the one Loom measures on the same model, batch
+components (loom/bench/calibrate.py) next to the one Loom measures on the same model, batch
 size and context."""
 from __future__ import annotations
 

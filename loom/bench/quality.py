@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from loom import LLM, SamplingParams
-from loom.data.needles import character_names, make_needle_sample
+from loom.bench.needles import character_names, make_needle_sample
 
 HELDOUT_FRACTION = 0.1  # the house model's training script holds out the corpus's last 10%
 

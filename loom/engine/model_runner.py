@@ -1,10 +1,11 @@
-"""Model runner: turns a scheduled batch into tensors, runs the model, samples.
+"""Model runner: builds the model and its KV cache, turns a scheduled batch into tensors,
+runs the model, samples.
 
 For each scheduled sequence it packs the tokens it computes this step (ids, positions, the
-slot of each token in the paged pool) and describes its attention: decode rows by padded block
-tables and context lengths, prefill chunks as segments. Rows whose sequence reaches its last
-token this step are sampled; a request asking for prompt logprobs also gets the logits of its
-prompt rows.
+slot each token's K/V goes to, from the sequence's slot map) and describes its attention:
+decode rows by padded block tables and stored-token counts, prefill chunks as segments. Rows
+whose sequence reaches its last token this step are sampled; a request asking for prompt
+logprobs also gets the logits of its prompt rows.
 """
 from __future__ import annotations
 
@@ -12,17 +13,22 @@ import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from loom.engine.scheduler import ScheduledBatch
+from loom.config import EngineConfig
 from loom.engine.sequence import Sequence
+from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, PrefillSegment
-from loom.kv.cache import KVCache
+from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleResult, SampleRow, top_logprobs
-from loom.models.llama import LlamaForCausalLM
+from loom.models.loader import build_model
 from loom.outputs import Logprob
+
+if TYPE_CHECKING:
+    from loom.engine.scheduler import ScheduledBatch
 
 
 @dataclass
@@ -48,10 +54,18 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, sampler: Sampler, device: torch.device,
-                 eos_token_ids: set[int], swap_space: SwapSpace | None = None, compile_decode: bool = False) -> None:
-        self.model, self.cache, self.sampler, self.device = model, cache, sampler, device
-        self.swap_space = swap_space
+    def __init__(self, config: EngineConfig, stop_checker: StopChecker) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model = build_model(config)
+        m = config.model_config
+        num_blocks, num_swap_blocks = kv_cache_blocks(config)
+        self.cache = KVCache(m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, config.cache.block_size,
+                             config.dtype, self.device)
+        self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
+        self.sampler = Sampler(config.seed, self.device)
+        self.stop_checker = stop_checker
         # Decode-only steps are the many small ones, where per-op overhead rivals the weight
         # reads: compiled graphs serve them (one for batch 1, one dynamic in batch size and
         # context for the rest). Rounding as eager does keeps bf16 outputs identical; Dynamo's
@@ -59,29 +73,28 @@ class ModelRunner:
         # intermediate's; a C++ wrapper calls the kernels (about 7% of an int8 batch-1 step
         # saved against inductor's Python wrapper). The graphs belong to this engine's model
         # alone (see _private_forward), so Dynamo need not guard its modules and parameters:
-        # about a thousand checks, half a millisecond per step.
+        # about a thousand checks, half a millisecond per step. Compiling needs every op of a
+        # decode step to be traceable: the C++ attention is, the reference attention (a Python
+        # loop over sequences) is not.
         self.decode_forward = None
-        if compile_decode:
+        if not config.enforce_eager and config.attention_backend == "cpp":
             self.decode_forward = torch.compile(
-                _private_forward(model), fullgraph=True,
+                _private_forward(self.model), fullgraph=True,
                 options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True,
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self.block_size = cache.block_size
-        self.eos_token_ids = eos_token_ids
 
-    def sample_row(self, seq: Sequence, num_samples: int) -> SampleRow:
-        p = seq.params
-        banned: list[int] = []
-        if len(seq.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        proposals = 2 * seq.beam_width if seq.is_beam else 0
-        generators = seq.sibling_generators[:num_samples] if num_samples > 1 else [seq.generator]
-        return SampleRow(p, generators, seq.prompt_token_ids, seq.output_token_ids, banned, proposals)
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.swap_space.num_blocks if self.swap_space is not None else 0
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        proposals = 2 * seq.request.beam.width if seq.is_beam else 0
+        return SampleRow(seq.params, seq.generators, seq.prompt_token_ids, seq.output_token_ids,
+                         self.stop_checker.banned_token_ids(seq), proposals)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, num_samples: dict[int, int] | None = None) -> list[SeqStepOutput]:
-        """Runs one step. `num_samples` maps id(seq) to how many tokens to draw for it (n > 1
-        at the end of a prompt); the default is one."""
+    def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
+        """Runs one step: a result per scheduled sequence."""
         # Order matters: blocks freed by a swap-out may be refilled by a swap-in or a copy.
         if batch.swap_out:
             self.swap_space.swap_out(batch.swap_out)
@@ -93,22 +106,19 @@ class ModelRunner:
         sample_seqs: list[int] = []           # batch index of each sampled row
         logit_rows: list[tuple[int, int]] = []  # (batch index, first row) of prompt-logprob chunks
         prefills: list[PrefillSegment] = []
-        bs = self.block_size
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            input_ids.extend(seq.token_at(p) for p in range(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            start, stored = seq.num_computed_tokens, seq.kv.num_tokens
+            input_ids += seq.token_ids_between(start, start + n)
+            positions += range(start, start + n)
+            slots += seq.kv.slots(stored, stored + n)
             if i >= batch.num_decodes:
-                block_ids = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=end, block_ids=block_ids))
+                block_ids = torch.tensor(seq.kv.blocks_for(stored + n), dtype=torch.long, device=self.device)
+                prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 logit_rows.append((i, row))
             row += n
-            if end == seq.num_tokens:
+            if start + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(i)
 
@@ -116,10 +126,10 @@ class ModelRunner:
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
         if batch.num_decodes:
             decodes = batch.seqs[: batch.num_decodes]
-            width = max(len(s.block_table) for s in decodes)
-            meta.decode_block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes],
-                                                    dtype=torch.int32, device=self.device)
-            meta.decode_context_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes],
+            width = max(len(s.kv.block_ids) for s in decodes)
+            meta.decode_block_tables = torch.tensor([s.kv.block_ids + [0] * (width - len(s.kv.block_ids))
+                                                     for s in decodes], dtype=torch.int32, device=self.device)
+            meta.decode_context_lens = torch.tensor([s.kv.num_tokens + 1 for s in decodes],
                                                     dtype=torch.int32, device=self.device)
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -136,8 +146,7 @@ class ModelRunner:
             if len(sample_rows) < hidden.shape[0]:
                 sampled = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(sampled)
-            rows = [self.sample_row(batch.seqs[i], (num_samples or {}).get(id(batch.seqs[i]), 1))
-                    for i in sample_seqs]
+            rows = [self._sample_row(batch.seqs[i]) for i in sample_seqs]
             for i, result in zip(sample_seqs, self.sampler(logits, rows)):
                 outputs[i].sample = result
         for i, first_row in logit_rows:

@@ -1,22 +1,35 @@
-"""Iteration-level scheduler: which sequences run this step, and how many tokens each.
+"""Iteration-level scheduler: which sequences run this step and how many tokens each, and
+what follows from a step's results.
 
 Every step has a token budget (`max_num_batched_tokens`). Running sequences go first, in
 arrival order, each asking for all its uncomputed tokens (1 for a decode, the rest of its prompt
-for a prefill, cut to the budget when chunked prefill is on); then waiting sequences are
-admitted FCFS while budget, `max_num_seqs` and free blocks last. When the pool cannot hold a
-running sequence's next tokens, the latest arrival is preempted (its blocks freed, recomputed
-later from its tokens) and goes back to the front of the queue, so the oldest requests always
-make progress: nothing starves.
+for a prefill, cut to the budget when chunked prefill is on); then swapped-out sequences come
+back, then waiting sequences are admitted FCFS while budget, `max_num_seqs` and free blocks
+last. When the pool cannot hold a running sequence's next tokens, the latest arrival is
+preempted (swapped out, or its blocks freed to be recomputed later from its tokens) and goes
+back to the front of its queue, so the oldest requests always make progress: nothing starves.
+
+The scheduler owns the block manager and every sequence's place in the queues; after the model
+ran, `postprocess` records the computed tokens, appends the sampled ones, forks n > 1 samples
+and beams, and finishes and frees what stops.
 """
 from __future__ import annotations
 
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loom.config import SchedulerConfig
-from loom.engine.block_manager import BlockManager
-from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.beam_search import advance_beams
+from loom.engine.sequence import Request, Sequence, SequenceStatus
+from loom.engine.stop_checker import StopChecker
+from loom.kv.block_manager import BlockManager
+from loom.outputs import EngineStats
+
+if TYPE_CHECKING:
+    from loom.engine.model_runner import SeqStepOutput
+    from loom.layers.sampler import SampleResult
 
 
 @dataclass
@@ -37,55 +50,40 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_checker: StopChecker) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
-        self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest first
+        self.swapped: list[Sequence] = []  # preempted by swap, sorted by arrival
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.last_copies: list[tuple[int, int]] = []  # the last step's copy-on-write pairs
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: Request) -> None:
+        self.waiting.extend(request.seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Removes every sequence of the request, freeing its blocks; returns them."""
-        removed = [s for s in self.running if s.request_id == request_id]
-        for seq in removed:
-            self.running.remove(seq)
-            self.block_manager.free(seq)
-        queued = [s for s in self.waiting if s.request_id == request_id]
-        for seq in queued:
-            self.waiting.remove(seq)
-        swapped = [s for s in self.swapped if s.request_id == request_id]
-        for seq in swapped:
-            self.swapped.remove(seq)
-            self.block_manager.free_swap_ids.extend(seq.swap_table)
-            seq.swap_table = []
-        return removed + queued + swapped
+    def abort(self, request: Request) -> None:
+        """Takes every unfinished sequence of the request out of its queue, freeing its KV."""
+        queues = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                  SequenceStatus.SWAPPED: self.swapped}
+        for seq in request.seqs:
+            if seq.status in queues:
+                queues[seq.status].remove(seq)
+                self.block_manager.free(seq.kv)
+        request.abort()
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one joins the batch directly."""
-        seq.status = SequenceStatus.RUNNING
-        seq.was_admitted = True
-        bisect.insort(self.running, seq, key=lambda s: s.order)
-
-    def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-
+    # ---- which sequences run ----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         chosen: list[tuple[Sequence, int]] = []
+        swap_out: list[tuple[int, int]] = []
         preempted = False
-        self._swap_out: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -97,14 +95,14 @@ class Scheduler:
                 i += 1
                 continue
             restart = False
-            while not bm.allocate_slots(seq, n):
+            while not bm.allocate(seq.kv, n):
                 # The latest arrival goes, with its whole beam group (beams move in lock step).
                 victims = self._group(self.running[-1])
                 for victim in victims:
-                    self._preempt(victim)
+                    swap_out += self._preempt(victim)
                 preempted = True
                 if any(v is seq or any(v is c for c, _ in chosen) for v in victims):
-                    restart = True  # allocations already made stay valid: allocate_slots is idempotent
+                    restart = True  # allocations already made stay valid: allocate is idempotent
                     break
             if restart:
                 chosen, budget, i = [], self.config.max_num_batched_tokens, 0
@@ -118,68 +116,125 @@ class Scheduler:
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0 or not bm.can_swap_in(seq, n):
+            if n == 0 or not bm.can_swap_in(seq.kv, n):
                 break
-            self.swapped.popleft()
-            swap_in += bm.swap_in(seq)
-            bm.allocate_slots(seq, n)  # cannot fail: can_swap_in counted these blocks
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.order)
+            self.swapped.pop(0)
+            swap_in += bm.swap_in(seq.kv)
+            bm.allocate(seq.kv, n)  # cannot fail: can_swap_in counted these blocks
+            self._run(seq)
             chosen.append((seq, n))
             budget -= n
 
         # No admissions in a step that had to preempt: the pool is full.
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
+            # Prompt logprobs need the logits of every prompt token: compute them all.
+            hits = bm.match_prefix(seq.token_ids()) if seq.params.prompt_logprobs is None else []
             n = seq.num_tokens - len(hits) * bm.block_size
             if chunked:
                 n = min(n, budget)
             elif n > budget:
                 break
-            if not bm.allocate_slots(seq, n, hits):
+            if not bm.allocate(seq.kv, n, hits):
                 break
             self.waiting.popleft()
+            seq.num_computed_tokens = seq.kv.num_tokens
             if not seq.was_admitted:  # a preempted sequence re-finding its own blocks is no hit
                 seq.was_admitted = True
-                bm.record_prefix_query(seq.num_tokens, len(hits) * bm.block_size)
-                seq.num_cached_prompt_tokens = len(hits) * bm.block_size
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.order)
+                bm.record_prefix_query(seq.num_tokens, seq.num_computed_tokens)
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            self._run(seq)
             chosen.append((seq, n))
             budget -= n
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
-        copies, bm.pending_copies = bm.pending_copies, []
-        self.last_copies = copies
-        return ScheduledBatch(
-            seqs=[s for s, _ in chosen],
-            num_new_tokens=[n for _, n in chosen],
-            num_decodes=sum(1 for _, n in chosen if n == 1),
-            copies=copies,
-            swap_out=self._swap_out,
-            swap_in=swap_in,
-        )
+        return ScheduledBatch(seqs=[s for s, _ in chosen], num_new_tokens=[n for _, n in chosen],
+                              num_decodes=sum(1 for _, n in chosen if n == 1), copies=bm.take_copies(),
+                              swap_out=swap_out, swap_in=swap_in)
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.order)
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The sequences that must be preempted together with `seq`: its running beam siblings."""
         if not seq.is_beam:
             return [seq]
-        return [s for s in self.running if s.request_id == seq.request_id]
+        return [s for s in self.running if s.request is seq.request]
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Swap: the sequence's blocks move to the second tier and come back intact later.
-        Recompute (also when the swap space is full): its KV is dropped; it keeps its tokens,
-        re-queues first and is prefilled again."""
+    def _preempt(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Swap: the sequence's blocks move to the second tier (the returned copies) and come
+        back intact later. Recompute (also when the swap space is full): its KV is dropped; it
+        keeps its tokens, re-queues first and is prefilled again."""
         self.running.remove(seq)
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
-            self._swap_out += self.block_manager.swap_out(seq)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq.kv):
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=lambda s: s.order)
             self.num_swap_outs += 1
-            return
-        self.block_manager.free(seq)
+            return self.block_manager.swap_out(seq.kv)
+        self.block_manager.free(seq.kv)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        return []
+
+    # ---- what follows from a step -----------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, results: list[SeqStepOutput]) -> list[Request]:
+        """Applies a step's results; returns the requests that have something new to report."""
+        changed: dict[str, Request] = {}
+        beam_requests: dict[str, Request] = {}
+        for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq.kv, n, seq.token_ids)
+            request = seq.request
+            for position, logprobs in result.prompt_logprobs or ():
+                request.prompt_logprobs[position] = logprobs
+            if result.sample is None:  # mid-prompt
+                continue
+            if seq.is_beam:  # beams advance together once every live beam has proposed
+                seq.proposals = result.sample.proposals
+                beam_requests[request.request_id] = request
+                continue
+            self._append_samples(seq, result.sample)
+            changed[request.request_id] = request
+        for request in beam_requests.values():
+            if all(s.proposals is not None for s in request.seqs):
+                advance_beams(request, self._fork, self._release)
+                if request.finished:
+                    changed[request.request_id] = request
+        return list(changed.values())
+
+    def _append_samples(self, seq: Sequence, sample: SampleResult) -> None:
+        """The first token continues `seq`; each further one (n > 1, at the end of the
+        prompt) continues a fork of it."""
+        children = [self._fork(seq) for _ in sample.token_ids[1:]]
+        seq.generators = seq.generators[:1]
+        logprobs = sample.logprobs or [None] * len(sample.token_ids)
+        for s, token, lp in zip([seq, *children], sample.token_ids, logprobs):
+            reason = self.stop_checker.finish_reason(s, s.append_token(token, lp))
+            if reason is not None:
+                s.finish(reason)
+                self._release(s)
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        child = parent.request.fork(parent, self.block_manager.fork(parent.kv))
+        self._run(child)
+        return child
+
+    def _release(self, seq: Sequence) -> None:
+        """Takes a running sequence out for good, freeing its blocks."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.kv)
+        seq.status = SequenceStatus.FINISHED
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        allocated, used = bm.usage(s.kv for s in self.running)
+        return EngineStats(
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
+            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
+            num_swapped=len(self.swapped), num_swap_outs=self.num_swap_outs,
+            num_free_swap_blocks=bm.num_free_swap_blocks,
+            prefix_cache_queries=bm.prefix_query_tokens, prefix_cache_hits=bm.prefix_hit_tokens,
+            kv_slots_allocated=allocated, kv_slots_used=used)

@@ -1,6 +1,7 @@
-"""A sequence: one request's tokens, its block table and its progress through the engine."""
+"""A request and its sequences: the tokens, the text and the progress of each output."""
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 from dataclasses import dataclass, field
@@ -9,8 +10,9 @@ import torch
 
 from loom.detokenizer import IncrementalDetokenizer
 from loom.engine.beam_search import BeamState
-from loom.outputs import Logprob
-from loom.sampling_params import SamplingParams
+from loom.kv.block_manager import SlotMap
+from loom.outputs import CompletionOutput, Logprob, RequestOutput
+from loom.sampling_params import RequestOutputKind, SamplingParams
 
 _arrival_counter = itertools.count()
 
@@ -24,47 +26,66 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: Request
+    kv: SlotMap  # where its cached tokens are (the block manager's to change)
+    index: int = 0  # which of the request's n outputs (or beams) this is
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
-    swap_table: list[int] = field(default_factory=list)  # second-tier slots while swapped out
-    # Tokens whose K/V are in the cache (computed here or found in the prefix cache).
+    # Tokens whose K/V have been computed (here or found in the prefix cache): the position of
+    # the next token to compute.
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # of those, reused from the prefix cache at admission
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
-    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    finish_reason: str | None = None
     was_admitted: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
-    index: int = 0  # which of the request's n outputs (or beams) this is
-    generator: torch.Generator | None = None  # its own, when params.seed is given
-    # n > 1, before the fork: the generators of all n samples (index 0 is this sequence's)
-    sibling_generators: list[torch.Generator | None] = field(default_factory=list)
+    # Its own generator per sample when the request has a seed. Before an n > 1 request forks
+    # at the end of its prompt, one per sample (index 0 is this sequence's); one after.
+    generators: list[torch.Generator | None] = field(default_factory=lambda: [None])
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""  # output text (cut at a stop string)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    beam_width: int = 0  # > 0: one of a beam search's live beams (preempted with its siblings)
     proposals: list[tuple[int, float]] | None = None  # beam: this step's top next tokens
+    # what the last delta output covered
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.request.prompt_token_ids + self.output_token_ids
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        n = len(self.request.prompt_token_ids)
+        if stop <= n:
+            return self.request.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.request.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.generators[0]
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens to draw when this sequence's prompt completes: n before an n > 1 fork, else 1."""
+        return len(self.generators)
 
     @property
     def is_finished(self) -> bool:
@@ -72,12 +93,46 @@ class Sequence:
 
     @property
     def is_beam(self) -> bool:
-        return self.beam_width > 0
+        return self.request.beam is not None
 
     @property
     def order(self) -> tuple[int, int]:
         """Scheduling priority: arrival, then output index (children of one request together)."""
         return (self.arrival, self.index)
+
+    def append_token(self, token: int, logprobs: dict[int, Logprob] | None) -> int:
+        """Adds a generated token; returns how many characters of text it completed."""
+        self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token].logprob
+        if self.detokenizer is None:
+            return 0
+        delta = self.detokenizer.append(token)
+        self.text += delta
+        return len(delta)
+
+    def finish(self, reason: str) -> None:
+        if reason != "stop" and self.detokenizer is not None:  # a stop string already cut the text
+            self.text += self.detokenizer.finish()
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+
+    def completion(self, kind: RequestOutputKind) -> CompletionOutput:
+        """Its output so far, whole or (DELTA) what is new since the last call."""
+        tokens, text, logprobs = self.output_token_ids, self.text, self.logprobs
+        if kind is RequestOutputKind.DELTA:
+            # Text that may still turn out to start a stop string is held back until it cannot.
+            p = self.params
+            hold = 0 if self.is_finished or not p.stop or p.include_stop_str_in_output else max(map(len, p.stop)) - 1
+            end = max(self.num_sent_chars, len(text) - hold)
+            tokens, text = tokens[self.num_sent_tokens:], text[self.num_sent_chars:end]
+            logprobs = None if logprobs is None else logprobs[self.num_sent_tokens:]
+            self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), end
+        else:
+            tokens, logprobs = list(tokens), None if logprobs is None else list(logprobs)
+        return CompletionOutput(index=self.index, text=text, token_ids=tokens, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason, logprobs=logprobs,
+                                cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None)
 
 
 @dataclass(eq=False)
@@ -91,9 +146,57 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beam: BeamState | None = None  # set for a beam search request; seqs are then its live beams
     num_created: int = 0  # sequences made so far (each gets the next index)
+    aborted: bool = False
 
     @property
     def finished(self) -> bool:
+        if self.aborted:
+            return True
         if self.beam is not None:
             return self.beam.done
-        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    def new_sequence(self, kv: SlotMap, detokenizer: IncrementalDetokenizer | None,
+                     generators: list[torch.Generator | None]) -> Sequence:
+        seq = Sequence(self, kv, index=self.num_created, generators=generators, detokenizer=detokenizer,
+                       logprobs=[] if self.params.logprobs is not None else None)
+        self.num_created += 1
+        self.seqs.append(seq)
+        return seq
+
+    def fork(self, parent: Sequence, kv: SlotMap) -> Sequence:
+        """A new sequence continuing `parent`: its tokens, text and KV (`kv`, shared blocks) so
+        far. Forked from an n > 1 prompt it takes the next sample's generator."""
+        child = copy.copy(parent)
+        child.kv, child.index = kv, self.num_created
+        child.output_token_ids = list(parent.output_token_ids)
+        child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
+        child.detokenizer = None if parent.detokenizer is None else parent.detokenizer.fork()
+        child.generators = [parent.generators[child.index] if child.index < len(parent.generators) else None]
+        self.num_created += 1
+        self.seqs.append(child)
+        return child
+
+    def abort(self) -> None:
+        self.aborted = True
+        for seq in self.seqs:
+            if not seq.is_finished:
+                seq.finish("abort")
+
+    def output(self) -> RequestOutput | None:
+        """What the caller sees now, by the request's output kind; None when nothing is due."""
+        kind = self.params.output_kind
+        finished = self.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if self.beam is not None and not self.aborted:
+            if not finished:
+                return None
+            outputs = self.beam.completions()
+        else:
+            outputs = [s.completion(kind) for s in self.seqs]
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs, finished=finished,
+            num_cached_tokens=self.seqs[0].num_cached_prompt_tokens if self.seqs else 0,
+            prompt_logprobs=self.prompt_logprobs)

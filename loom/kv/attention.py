@@ -14,8 +14,6 @@ import torch.nn.functional as F
 
 from loom.kv.cache import KVCache
 
-ATTENTION_BACKENDS = ("cpp", "torch")
-
 
 @dataclass
 class PrefillSegment:

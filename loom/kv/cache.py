@@ -10,9 +10,31 @@ from __future__ import annotations
 
 import torch
 
+from loom.config import EngineConfig
+
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype.itemsize
+
+
+def kv_cache_blocks(config: EngineConfig) -> tuple[int, int]:
+    """(pool blocks, swap-tier blocks) for the engine's memory budgets. The pool never holds
+    more than max_num_seqs full-length sequences could use, and at least one of them."""
+    m, bs, max_len = config.model_config, config.cache.block_size, config.max_model_len
+    per_block = kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, bs, config.dtype)
+    blocks_per_seq = -(-max_len // bs)
+    budget = config.cache.budget_bytes()
+    num_blocks = min(budget // per_block, config.scheduler.max_num_seqs * blocks_per_seq)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"kv_cache_memory: {budget} bytes hold {num_blocks} blocks of {bs} tokens, but one sequence of "
+            f"max_model_len {max_len} needs {blocks_per_seq}; raise kv_cache_memory or lower max_model_len")
+    if config.scheduler.preemption_mode != "swap":
+        return num_blocks, 0
+    num_swap_blocks = config.cache.swap_space // per_block
+    if num_swap_blocks < 1:
+        raise ValueError(f"swap_space: {config.cache.swap_space} bytes hold no block of {per_block} bytes")
+    return num_blocks, num_swap_blocks
 
 
 class KVCache:

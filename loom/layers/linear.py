@@ -3,7 +3,7 @@
 Models are built and loaded with plain `nn.Linear` (so checkpoints, quantization and
 tensor-parallel slicing all see ordinary weights); `use_panel_linears` then swaps each one for a
 `DenseLinear` whose fp32 or bf16 weight is reordered once into panels of 32 output channels for
-`loom::dense_linear` (csrc/linear.cpp). On this project's CPU that kernel streams weights at
+`loom::dense_linear` (loom/kernels/linear.cpp). On this project's CPU that kernel streams weights at
 the machine's read bandwidth at batch 1 and keeps pace with oneDNN's GEMM up to prefill sizes
 (docs/benchmarks); torch's fp32 GEMM takes a generic, 2-4x slower code path here. The weight-only
 quantized layers (loom/quant/linear.py) use the same panels.

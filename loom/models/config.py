@@ -14,6 +14,30 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+def config_path(model: str | Path) -> Path:
+    """The config.json of a model directory (or the file itself)."""
+    path = Path(model)
+    if path.is_dir():
+        return path / "config.json"
+    if path.name == "config.json" or path.suffix == ".json":
+        return path
+    raise FileNotFoundError(f"{path}: model directory not found")
+
+
+def read_hf_config(model: str | Path) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict, from a model directory or the file's path."""
+    path = config_path(model)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -36,12 +60,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json in the model directory")
-        with open(path) as f:
-            raw = json.load(f)
-        return cls.from_dict(raw, source=str(path))
+        path = config_path(model_dir)
+        return cls.from_dict(read_hf_config(path), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":

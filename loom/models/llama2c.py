@@ -7,7 +7,6 @@ vocab_size means the classifier is not tied to the embedding and is stored at th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import struct
@@ -179,20 +178,3 @@ def convert_llama2c(src: Path, dst: Path) -> None:
     save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(_hf_config(header), indent=2) + "\n")
-
-
-def _run(args: argparse.Namespace) -> None:
-    try:
-        convert_llama2c(args.src, args.dst)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"loom convert llama2c: {e}") from None
-    print(f"wrote {args.dst / 'config.json'} and {args.dst / 'model.safetensors'}")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    convert = subparsers.add_parser("convert", help="convert a foreign checkpoint to a Hugging Face directory")
-    formats = convert.add_subparsers(dest="format", required=True)
-    p = formats.add_parser("llama2c", help="llama2.c .bin checkpoint (legacy format)")
-    p.add_argument("src", type=Path, metavar="SRC.bin", help="llama2.c checkpoint")
-    p.add_argument("dst", type=Path, metavar="DST_DIR", help="output directory (created if missing)")
-    p.set_defaults(func=_run)

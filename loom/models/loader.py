@@ -1,4 +1,5 @@
-"""Builds a Loom model from a local Hugging Face directory (config.json + safetensors)."""
+"""Builds a Loom model from a local Hugging Face directory (config.json + safetensors), and
+the model an engine runs: loaded, quantized if asked, on the kernels this machine has."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from loom.config import EngineConfig
+from loom.kernels import load_kernels
+from loom.layers.linear import panel_kernels_available, use_panel_linears
 from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.checkpoint import load_quantized_checkpoint
+from loom.quant.model import quantize_model
 
 # HF tensors that carry no weights Loom needs (RoPE caches some checkpoints still ship).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,12 +41,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
 
 
+def build_model(config: EngineConfig) -> LlamaForCausalLM:
+    """The model as an engine runs it: weights loaded (or read quantized), quantized at load
+    time if asked, linear layers on Loom's panel kernels where they run, attention backend set."""
+    if config.attention_backend == "cpp":
+        load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
+    model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
+    model.set_attention_backend(config.attention_backend)
+    if config.quantization is not None:
+        quantize_model(model, config.quantization, config.group_size)
+    if config.pack_linear_weights and panel_kernels_available(torch.device(config.device)):
+        use_panel_linears(model)
+    return model
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LlamaForCausalLM:
+               max_positions: int | None = None, cfg: ModelConfig | None = None) -> LlamaForCausalLM:
+    """The checkpoint's model with plain nn.Linear layers (or, for a quantized checkpoint,
+    its weight-only layers). `cfg`: the directory's config, if already read."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory not found")
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = cfg or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):  # no time spent on random init: every weight comes from the checkpoint
         model = LlamaForCausalLM(cfg, max_positions or cfg.max_position_embeddings, device)
     model.to_empty(device=device)

@@ -10,6 +10,7 @@ Modules, one idea each:
   cost        per-layer and per-phase cost of a layout (the roofline model)
   search      enumerate layouts and chip counts, best plan, Pareto frontiers
   plots       Pareto plots (matplotlib, imported lazily)
-  calibrate   measure this machine
-  cli         `loom plan` and `loom calibrate`
+
+Measuring this machine for it is `loom calibrate` (loom/bench/calibrate.py); the command line
+is loom/cli/plan.py.
 """

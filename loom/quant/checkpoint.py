@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from loom.models.config import QUANT_FORMAT
+from loom.models.config import QUANT_FORMAT, read_hf_config
 from loom.quant.dispatch import load_crossover
 from loom.quant.linear import WeightOnlyLinear
 from loom.quant.quantize import check_options, pack_int4, unpack_int4
@@ -25,31 +25,27 @@ from loom.quant.quantize import check_options, pack_int4, unpack_int4
 _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
-def write_quantized_checkpoint(src: str | Path, dst: str | Path, method: str, group_size: int) -> None:
-    from loom.models.loader import load_model  # the loader imports this module
-    from loom.quant.model import quantize_model
-
+def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Path) -> None:
+    """Writes `model` (loaded from `src`, then quantized by `quantize_model`) to `dst`."""
     src, dst = Path(src), Path(dst)
-    config = json.loads((src / "config.json").read_text())
-    if "quantization_config" in config:
-        raise ValueError(f"{src}: already quantized ({config['quantization_config']}); quantize the original")
-    check_options(method, group_size)
-    model = load_model(src, torch.float32)
-    quantize_model(model, method, group_size)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, WeightOnlyLinear)}
+    if not layers:
+        raise ValueError(f"{src}: the model has no weight-only layers; quantize it first")
+    method, group_size = next(iter(layers.values())).method, next(iter(layers.values())).group_size
     tensors: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, WeightOnlyLinear):
-            q, scales, zeros = module.portable()
-            tensors[f"{name}.qweight"] = pack_int4(q) if method == "int4" else q
-            tensors[f"{name}.scales"] = scales
-            if zeros is not None:
-                tensors[f"{name}.zeros"] = zeros
-            if module.bias is not None:
-                tensors[f"{name}.bias"] = module.bias
+    for name, module in layers.items():
+        q, scales, zeros = module.portable()
+        tensors[f"{name}.qweight"] = pack_int4(q) if method == "int4" else q
+        tensors[f"{name}.scales"] = scales
+        if zeros is not None:
+            tensors[f"{name}.zeros"] = zeros
+        if module.bias is not None:
+            tensors[f"{name}.bias"] = module.bias
     for name, param in model.named_parameters():
         tensors[name] = param.detach()
     dst.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    config = read_hf_config(src)
     config["quantization_config"] = {"quant_method": QUANT_FORMAT, "method": method, "group_size": group_size}
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _COPIED_FILES:

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers, swapped in for nn.Linear.
 
 The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
-(`torch.ops.loom.int8_linear` / `int4_linear`, csrc/linear.cpp) read the compressed weights
+(`torch.ops.loom.int8_linear` / `int4_linear`, loom/kernels/linear.cpp) read the compressed weights
 and multiply them as integers with an int8 copy of the activations (a scale per 32 inputs);
 past the measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary
 GEMM. The
@@ -25,7 +25,7 @@ class WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size, self.crossover = method, group_size, crossover
         self.bias = bias
-        # Set by `load_quantized`, in the kernels' panel layouts (csrc/linear.cpp). int8: q + 128
+        # Set by `load_quantized`, in the kernels' panel layouts (loom/kernels/linear.cpp). int8: q + 128
         # as uint8, scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
         self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None

@@ -4,7 +4,7 @@ int8: symmetric absmax per output channel, w ~= q * scale, q in [-127, 127].
 int4: asymmetric min-max per group of `group_size` inputs, w ~= (q - 8) * scale + zero with
 q in [0, 15] (the convention of torch's int4 CPU kernel).
 On disk int4 values are two per byte, the even input index in the low nibble. In memory both
-formats take the panel layouts of Loom's kernels (csrc/linear.cpp): `pack_int8_for_kernel`,
+formats take the panel layouts of Loom's kernels (loom/kernels/linear.cpp): `pack_int8_for_kernel`,
 `pack_int4_for_kernel`.
 """
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Loom's C++ CPU kernels, registered as torch operators (`torch.ops.loom.*`).
 
-Built once per machine by torch's cpp_extension (cached on disk, rebuilt when a source
+The C++ sources sit beside this file. Built once per machine by torch's cpp_extension (cached on disk, rebuilt when a source
 changes) with -march=native. Being real operators, with shape-only "fake" versions below,
 they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no Python.
-  paged_decode_attention  decode attention over the paged KV pool (csrc/paged_attention.cpp)
-  dense_linear            fp32 / bf16 linear layers over panel-layout weights (csrc/linear.cpp)
-  int8_linear, int4_linear  weight-only matmuls over the same panels (csrc/linear.cpp)
+  paged_decode_attention  decode attention over the paged KV pool (paged_attention.cpp)
+  dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
+  int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
 """
@@ -24,9 +24,9 @@ def load_kernels() -> None:
     """Builds or loads the kernels; afterwards `torch.ops.loom.<name>` exist."""
     from torch.utils.cpp_extension import load
 
-    csrc = Path(__file__).with_name("csrc")
+    here = Path(__file__).parent
     try:
-        load(name="loom_kernels", sources=[str(csrc / s) for s in SOURCES], is_python_module=False,
+        load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
     except Exception as e:  # the message names the missing compiler or header
         raise RuntimeError(

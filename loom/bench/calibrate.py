@@ -5,7 +5,7 @@ linear layer) and gloo all-reduce bandwidth and latency between two local proces
 components, each timed on its own: the linear layers per weight format and tokens per step, the
 paged decode attention, and the engine's fixed cost per step (tiny models whose weights cost
 nothing). Everything runs at the current torch thread count and takes about half a minute on
-one thread. torch is imported here only.
+one thread. The planner itself (loom/planner) stays free of torch: it only reads the result.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .hardware import STEP_OVERHEAD_TERMS, Hardware, this_machine_path
-from .workload import dtype_bytes
+from loom.planner.hardware import STEP_OVERHEAD_TERMS, Hardware, this_machine_path
+from loom.planner.workload import dtype_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -152,7 +152,7 @@ def step_overhead(prompt_len: int = 128, steps: int = 32, repeats: int = 3) -> d
     slower runs measure the neighbours) at two depths and two batch sizes, solved for
     base + per_seq x seqs + layers x (per_layer + per_layer_seq x seqs) (STEP_OVERHEAD_TERMS)."""
     from loom.bench.latency import run_loom
-    from loom.bench.reference_model import reference_model_dir
+    from loom.models.reference import reference_model_dir
 
     t = {}
     for layers in OVERHEAD_DEPTHS:
@@ -205,10 +205,10 @@ def conditions() -> dict:
     """What Loom's measured components depend on: a run under other conditions needs a new calibration."""
     import torch
 
-    from loom.config import EngineConfig
+    from loom.config import default_enforce_eager
     from loom.quant.dispatch import load_crossover
 
-    return {"threads": torch.get_num_threads(), "enforce_eager": EngineConfig(model="").enforce_eager,
+    return {"threads": torch.get_num_threads(), "enforce_eager": default_enforce_eager(),
             "quant_crossover": {m: load_crossover(m) for m in ("int8", "int4")}}
 
 

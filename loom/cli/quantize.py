@@ -18,6 +18,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> None:
+    """Loads `src`, quantizes every linear layer and writes the result to `dst`."""
+    import torch
+
+    from loom.models.config import ModelConfig
+    from loom.models.loader import load_model
+    from loom.quant.checkpoint import write_quantized_checkpoint
+    from loom.quant.model import quantize_model
+    from loom.quant.quantize import check_options
+
+    config = ModelConfig.from_dir(src)
+    if config.quantization is not None:
+        raise ValueError(f"{src}: already quantized ({config.quantization}); quantize the original")
+    check_options(method, group_size)
+    model = load_model(src, torch.float32, cfg=config)
+    quantize_model(model, method, group_size)
+    write_quantized_checkpoint(model, src, dst)
+
+
 def _run(args: argparse.Namespace) -> None:
     import torch
 
@@ -32,8 +51,6 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {path} and {args.plot}")
         return
     if args.src is None or args.dst is None:
-        raise SystemExit("loom quantize: give SRC and DST directories (or --calibrate)")
-    from loom.quant.checkpoint import write_quantized_checkpoint
-
-    write_quantized_checkpoint(args.src, args.dst, args.method, args.group_size)
+        raise ValueError("give SRC and DST directories (or --calibrate)")
+    quantize_checkpoint(args.src, args.dst, args.method, args.group_size)
     print(f"wrote {args.dst} ({args.method}{f', group {args.group_size}' if args.method == 'int4' else ''})")

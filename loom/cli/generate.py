@@ -44,33 +44,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _build(args: argparse.Namespace):
     from loom import LLM, SamplingParams
+    from loom.sampling_params import RequestOutputKind
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            output_kind=RequestOutputKind.DELTA)
     return llm, params
 
 
 def stream(llm, prompt: str | dict, params, out=sys.stdout) -> list[int]:
-    """Runs one request, writing its text as it grows (the engine's detokenizer never emits
-    half a character); returns the generated ids."""
+    """Runs one request (`params` asking for DELTA outputs), writing its text as it grows (the
+    engine's detokenizer never emits half a character); returns the generated ids."""
     engine = llm.engine
     request_id = engine.add_request(prompt, params)
-    written, ids = 0, []
+    ids: list[int] = []
+    finished = False
     try:
-        while engine.has_unfinished_requests():
+        while not finished:
             for o in engine.step():
                 if o.request_id != request_id:
                     continue
-                ids, text = o.outputs[0].token_ids, o.outputs[0].text
-                if engine.tokenizer is None:
-                    text = " ".join(map(str, ids)) + " "
-                out.write(text[written:])
+                delta = o.outputs[0]
+                ids += delta.token_ids
+                out.write(delta.text if engine.tokenizer is not None else "".join(f"{t} " for t in delta.token_ids))
                 out.flush()
-                written = len(text)
+                finished = o.finished
     finally:
-        engine.abort_request(request_id)  # no-op when finished; frees blocks on Ctrl-C
+        if not finished:  # Ctrl-C or an error: free the request's blocks
+            engine.abort_request(request_id)
+            engine.step()
     return ids
 
 
@@ -85,7 +89,7 @@ def _chat(args: argparse.Namespace) -> None:
     llm, params = _build(args)
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
-        sys.exit(f"{args.model} has no tokenizer.json; chat needs one")
+        raise ValueError(f"{args.model} has no tokenizer.json; chat needs one")
     messages: list[dict[str, str]] = []
     print("Type a message (empty line or Ctrl-D to quit).")
     while True:

@@ -85,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _setup(args: argparse.Namespace) -> tuple[Path, int]:
     import torch
 
-    from loom.bench.reference_model import reference_model_dir
+    from loom.models.reference import reference_model_dir
     from loom.models.config import ModelConfig
 
     torch.set_num_threads(args.threads)
@@ -95,7 +95,6 @@ def _setup(args: argparse.Namespace) -> tuple[Path, int]:
 
 def _throughput(args: argparse.Namespace) -> None:
     from loom.bench import throughput as tp
-    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -134,7 +133,6 @@ def _attention(args: argparse.Namespace) -> None:
     import torch
 
     from loom.bench import attention
-    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
     from loom.models.config import ModelConfig
 
@@ -157,7 +155,6 @@ def _attention(args: argparse.Namespace) -> None:
 
 def _prefix(args: argparse.Namespace) -> None:
     from loom.bench import prefix
-    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -179,7 +176,6 @@ def _prefix(args: argparse.Namespace) -> None:
 
 def _parallel(args: argparse.Namespace) -> None:
     from loom.bench import parallel
-    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
 
     model, vocab = _setup(args)
@@ -209,14 +205,13 @@ def _quality(args: argparse.Namespace) -> None:
 
     from loom import LLM, SamplingParams
     from loom.bench import quality
-    from loom.bench import latency
     from loom.bench.report import bar_plot, write_report
-    from loom.commands.generate import DEFAULT_MODEL
+    from loom.cli.generate import DEFAULT_MODEL
 
     torch.set_num_threads(args.threads)
     model = args.model or str(DEFAULT_MODEL)
     if not args.corpus.is_file():
-        raise SystemExit(f"corpus not found: {args.corpus} (pass --corpus)")
+        raise FileNotFoundError(f"{args.corpus}: corpus not found (pass --corpus)")
     train_text, heldout = quality.split_corpus(args.corpus)
     unigram = _unigram_nats_per_char(LLM(model).get_tokenizer(), train_text, heldout)
     bf16 = LLM(model, dtype="bfloat16")
@@ -328,7 +323,7 @@ def _latency(args: argparse.Namespace) -> None:
     from loom.bench import latency
     from loom.bench.report import write_report
     from loom.models.config import ModelConfig
-    from loom.planner.calibrate import memory_bandwidth
+    from loom.bench.calibrate import memory_bandwidth
 
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
@@ -385,19 +380,19 @@ def _planner(args: argparse.Namespace) -> None:
 
     from loom.bench import planner
     from loom.bench.report import write_report
-    from loom.planner.calibrate import conditions, measure
+    from loom.bench.calibrate import conditions, measure
     from loom.planner.hardware import load_hardware_file
     from loom.planner.presets import from_hf_config
 
     model, _ = _setup(args)
     unknown = set(args.weights) - set(planner.VARIANTS)
     if unknown:
-        raise SystemExit(f"--weights: unknown {sorted(unknown)}; choose from {', '.join(planner.VARIANTS)}")
+        raise ValueError(f"--weights: unknown {sorted(unknown)}; choose from {', '.join(planner.VARIANTS)}")
     if args.hardware:
         hw = load_hardware_file(args.hardware)
         differ = {k: v for k, v in conditions().items() if hw.extra.get(k) != v}
         if differ:
-            raise SystemExit(f"{args.hardware} was calibrated with {hw.extra}, this run has {differ}: recalibrate")
+            raise ValueError(f"{args.hardware} was calibrated with {hw.extra}, this run has {differ}: recalibrate")
     else:
         print(f"calibrating at {args.threads} threads", flush=True)
         hw = measure(collectives=False)

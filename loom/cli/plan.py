@@ -6,11 +6,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .cost import PhaseEstimate
-from .hardware import load_hardware, this_machine_path
-from .presets import PRESETS, load_model, with_block
-from .search import best_plan, chip_counts, decode_sweep, evaluate, helix_gain
-from .workload import DTYPE_BYTES, Workload
+from loom.planner.cost import PhaseEstimate
+from loom.planner.hardware import load_hardware, this_machine_path
+from loom.planner.presets import PRESETS, load_model, with_block
+from loom.planner.search import best_plan, chip_counts, decode_sweep, evaluate, helix_gain
+from loom.planner.workload import DTYPE_BYTES, Workload
 
 SWEEP_BATCHES = [2**k for k in range(11)]  # 1 .. 1024
 
@@ -60,7 +60,7 @@ def run_plan(args: argparse.Namespace) -> None:
     result: dict = {"model": model.name, "hardware": hw.name, "workload": wl.__dict__,
                     "best": plan.as_dict() if plan else None}
     if args.sweep:
-        from .plots import plot_sweep
+        from loom.planner.plots import plot_sweep
         sweep = decode_sweep(model, hw, replace(wl, batch=1), SWEEP_BATCHES, chips)
         plot_sweep(sweep, args.sweep, f"{model.name} on {hw.name}, context {wl.input_len}+{wl.output_len}")
         result["sweep_png"] = str(args.sweep)
@@ -91,7 +91,7 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
-    from .calibrate import calibrate
+    from loom.bench.calibrate import calibrate
     hw = calibrate(args.out)
     print(hw.to_json())
     print(f"written to {args.out or this_machine_path()}")

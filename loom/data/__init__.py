@@ -1,1 +1,0 @@
-"""Data shared by training and evaluation: the house model's synthetic retrieval samples."""

@@ -1,0 +1,262 @@
+"""Block manager: the paged KV pool's bookkeeping (PagedAttention).
+
+Each sequence's tokens live in slots of fixed-size blocks, listed by its `SlotMap`. Physical
+blocks carry reference counts so sequences can share them: a fork shares a parent's whole map,
+the prefix cache shares full blocks whose tokens (and everything before them) are identical. A
+write into a shared, partially filled block first copies it (copy-on-write); the copy itself is
+made by the model runner from the pairs `take_copies` hands out.
+
+Prefix caching: a full block is identified by a hash chained over its parent's hash and its
+own tokens, so equal hashes mean equal prefixes. Freed blocks that hold a hash stay reusable,
+in LRU order, until a new allocation needs the space.
+
+A second tier (swap) holds the blocks of sequences preempted by swapping: their slot maps keep
+their tokens while the blocks sit in swap slots.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set while the block is registered in the prefix cache
+
+
+@dataclass(eq=False)
+class SlotMap:
+    """Where one sequence's cached tokens are: stored token i sits in slot
+    `block_ids[i // block_size] * block_size + i % block_size`.
+
+    `num_tokens` counts the tokens stored (what attention reads), which the scheduler keeps
+    apart from how far the sequence has been computed: the index of a stored token is not its
+    position in the sequence. Written only by the BlockManager; everyone else reads."""
+    block_size: int
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    swap_ids: list[int] = field(default_factory=list)  # second-tier slots while swapped out
+
+    def slots(self, start: int, stop: int) -> list[int]:
+        """Slots of stored tokens start .. stop - 1."""
+        bs, ids = self.block_size, self.block_ids
+        return [ids[i // bs] * bs + i % bs for i in range(start, stop)]
+
+    def blocks_for(self, num_tokens: int) -> list[int]:
+        """The blocks holding the first `num_tokens` stored tokens."""
+        return self.block_ids[: -(-num_tokens // self.block_size)]
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); raise kv_cache_memory")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_ids: deque[int] = deque(range(num_blocks))        # unreferenced, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()       # unreferenced, hashed; LRU first
+        self._cached: dict[bytes, int] = {}                           # hash -> block id
+        self._pending_copies: list[tuple[int, int]] = []              # (src, dst) copy-on-write
+        self._free_swap_ids: deque[int] = deque(range(num_swap_blocks))
+        self.num_swap_blocks = num_swap_blocks
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def new_slot_map(self) -> SlotMap:
+        return SlotMap(self.block_size)
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: never-used ones plus cached ones it may evict."""
+        return len(self._free_ids) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._free_swap_ids)
+
+    def _blocks_needed(self, slots: SlotMap, num_new_tokens: int) -> int:
+        total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(slots.block_ids)) + int(self._needs_copy_on_write(slots, num_new_tokens))
+
+    def _needs_copy_on_write(self, slots: SlotMap, num_new_tokens: int) -> bool:
+        partial = slots.num_tokens % self.block_size
+        return (num_new_tokens > 0 and partial > 0
+                and self.blocks[slots.block_ids[slots.num_tokens // self.block_size]].ref_count > 1)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks equal to the leading full blocks of `token_ids`. At least one token is
+        always left to compute, since the step must produce the logits of the last one."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def commit(self, slots: SlotMap, num_new_tokens: int, token_ids: Callable[[], list[int]]) -> None:
+        """Records that `num_new_tokens` more tokens are stored, and enters newly filled blocks
+        into the prefix cache (`token_ids` gives the sequence's tokens, asked for only then)."""
+        slots.num_tokens += num_new_tokens
+        full = slots.num_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= slots.num_registered_blocks:
+            return
+        tokens = token_ids()
+        for i in range(len(slots.block_hashes), full):  # a block's hash never changes: compute once
+            parent = slots.block_hashes[-1] if slots.block_hashes else None
+            slots.block_hashes.append(block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size]))
+        for i in range(slots.num_registered_blocks, full):
+            block, h = self.blocks[slots.block_ids[i]], slots.block_hashes[i]
+            if block.hash is None and h not in self._cached:
+                block.hash = h
+                self._cached[h] = block.block_id
+        slots.num_registered_blocks = full
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate(self, slots: SlotMap, num_new_tokens: int, prefix_hits: list[int] | None = None) -> bool:
+        """Makes room for `num_new_tokens` more tokens (after taking `prefix_hits`, at
+        admission, as already stored tokens). Returns False, changing nothing, if the pool
+        cannot hold them. Calling it again for the same tokens changes nothing."""
+        hits = prefix_hits or []
+        hit_evictable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if hits:  # the state after taking the hits, to count what else is needed
+            needed = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size) - len(hits)
+        else:
+            needed = self._blocks_needed(slots, num_new_tokens)
+        if needed > self.num_free_blocks - hit_evictable:
+            return False
+        for block_id in hits:
+            self._take(block_id)
+        if hits:
+            slots.block_ids = list(hits)
+            slots.num_registered_blocks = len(hits)
+            slots.num_tokens = len(hits) * self.block_size
+        if self._needs_copy_on_write(slots, num_new_tokens):
+            i = slots.num_tokens // self.block_size
+            shared = self.blocks[slots.block_ids[i]]
+            fresh = self._take_free()
+            self._pending_copies.append((shared.block_id, fresh))
+            shared.ref_count -= 1
+            slots.block_ids[i] = fresh
+        total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
+        while len(slots.block_ids) < total:
+            slots.block_ids.append(self._take_free())
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) block pairs made since the last call, to copy before
+        the next step writes."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def fork(self, parent: SlotMap) -> SlotMap:
+        """A map sharing every block of `parent` (written later only through copy-on-write)."""
+        for block_id in parent.block_ids:
+            self.blocks[block_id].ref_count += 1
+        return SlotMap(self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes),
+                       parent.num_registered_blocks)
+
+    def free(self, slots: SlotMap) -> None:
+        """Releases everything the map holds, pool blocks or swap slots; it is empty after."""
+        # Tail first: the end of a prefix is the least likely part to be shared again, so it
+        # should be evicted before the head.
+        for block_id in reversed(slots.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free_ids.append(block_id)
+        if self._pending_copies:  # a copy into a block this sequence no longer holds is moot
+            held = set(slots.block_ids)
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in held]
+        self._free_swap_ids.extend(slots.swap_ids)
+        slots.block_ids, slots.swap_ids = [], []
+        slots.num_tokens = slots.num_registered_blocks = 0
+
+    def usage(self, maps: Iterable[SlotMap]) -> tuple[int, int]:
+        """(slots in the blocks these maps hold, of those holding a stored token), shared
+        blocks counted once."""
+        bs, fill = self.block_size, {}
+        for m in maps:
+            for i, block_id in enumerate(m.block_ids):
+                fill[block_id] = max(fill.get(block_id, 0), min(bs, max(0, m.num_tokens - i * bs)))
+        return len(fill) * bs, sum(fill.values())
+
+    # ---- swapping to the second tier ------------------------------------------------------
+    def can_swap_out(self, slots: SlotMap) -> bool:
+        return len(slots.block_ids) <= len(self._free_swap_ids)
+
+    def swap_out(self, slots: SlotMap) -> list[tuple[int, int]]:
+        """Moves the map's blocks to swap slots (its stored tokens stay valid); returns the
+        (pool block, swap slot) copies to make before the pool blocks are reused."""
+        # A block still waiting for its copy-on-write copy holds nothing yet: save the source.
+        pending = {dst: src for src, dst in self._pending_copies}
+        pairs = [(pending.get(b, b), self._free_swap_ids.popleft()) for b in slots.block_ids]
+        stored, hashes = slots.num_tokens, slots.block_hashes
+        self.free(slots)
+        slots.num_tokens, slots.block_hashes = stored, hashes
+        slots.swap_ids = [slot for _, slot in pairs]
+        return pairs
+
+    def can_swap_in(self, slots: SlotMap, num_new_tokens: int) -> bool:
+        total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
+        return max(total, len(slots.swap_ids)) <= self.num_free_blocks
+
+    def swap_in(self, slots: SlotMap) -> list[tuple[int, int]]:
+        """Brings the blocks back into fresh pool blocks; returns the (swap slot, pool block)
+        copies to make before the step runs."""
+        pairs = [(slot, self._take_free()) for slot in slots.swap_ids]
+        self._free_swap_ids.extend(slots.swap_ids)
+        slots.swap_ids = []
+        slots.block_ids = [block for _, block in pairs]
+        return pairs
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        if self._free_ids:
+            block_id = self._free_ids.popleft()
+        else:  # evict the least recently freed cached block
+            block_id, _ = self._evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self._cached[block.hash]
+            block.hash = None
+        self.blocks[block_id].ref_count = 1
+        return block_id
