@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from loom.kernels import load_kernels
 from loom.kv.attention import AttentionMetadata, PrefillSegment, paged_attention, paged_decode_attention
@@ -110,3 +109,52 @@ def test_packed_step_with_cached_prefixes_matches_dense():
         ref = dense_attention(q[row : row + n], full_k[i], full_v[i], causal_offset=full_k[i].shape[0] - n)
         torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
         row += n
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
+    """Tokens dropped from the middle of a sequence (their slots refilled by the block manager's
+    moves): a decode query and a prefill chunk then attend over exactly the kept tokens, each
+    chunk query over the kept keys at positions up to its own."""
+    from loom.kv.block_manager import BlockManager
+
+    g = torch.Generator().manual_seed(2)
+    H, KVH, D, BS, L = 4, 2, 16, 8, 29
+    cache = KVCache(1, 16, KVH, D, BS, torch.float32, "cpu")
+    bm = BlockManager(16, BS)
+    slots = bm.new_slot_map()
+    k, v = torch.randn(L + 4, KVH, D, generator=g), torch.randn(L + 4, KVH, D, generator=g)
+    assert bm.allocate(slots, L)
+    cache.write(0, k[:L], v[:L], torch.tensor(slots.slots(0, L)))
+    bm.commit(slots, L, 0, lambda: list(range(L)))
+    dropped = [0, 3, 4, 11, 17, 18, 25]
+    assert bm.drop(slots, dropped)
+    cache.move_slots(bm.take_moves())
+    kept = [p for p in range(L) if p not in dropped]
+    assert sorted(slots.positions) == kept
+
+    # a decode of the token at position L
+    assert bm.allocate(slots, 1)
+    q = torch.randn(1, H, D, generator=g)
+    stored = slots.num_tokens
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots.slots(stored, stored + 1)), num_decode_tokens=1,
+                             decode_block_tables=torch.tensor([slots.block_ids], dtype=torch.int32),
+                             decode_context_lens=torch.tensor([stored + 1], dtype=torch.int32))
+    out = paged_attention(q, k[L:L + 1], v[L:L + 1], cache, 0, meta, D ** -0.5, backend)
+    ref = dense_attention(q, k[kept + [L]], v[kept + [L]])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    bm.commit(slots, 1, L, lambda: list(range(L + 1)))
+
+    # a chunk of three more tokens on top (positions L + 1 .. L + 3)
+    n = 3
+    assert bm.allocate(slots, n)
+    stored = slots.num_tokens
+    q = torch.randn(n, H, D, generator=g)
+    seg = PrefillSegment(0, n, stored + n, torch.tensor(slots.blocks_for(stored + n)),
+                         key_positions=torch.tensor(slots.positions + [L + 1, L + 2, L + 3]))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots.slots(stored, stored + n)), prefills=[seg])
+    out = paged_attention(q, k[L + 1:], v[L + 1:], cache, 0, meta, D ** -0.5, backend)
+    history = kept + [L]
+    ref = dense_attention(q, k[history + [L + 1, L + 2, L + 3]], v[history + [L + 1, L + 2, L + 3]],
+                          causal_offset=len(history))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

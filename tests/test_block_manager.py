@@ -10,9 +10,10 @@ BS = 4
 
 @dataclass
 class Seq:
-    """A sequence as the block manager sees it: its tokens and its slot map."""
+    """A sequence as the block manager sees it: its tokens, how many are computed, its slot map."""
     tokens: list[int]
     kv: SlotMap = field(default_factory=lambda: SlotMap(BS))
+    computed: int = 0
 
     @property
     def block_table(self) -> list[int]:
@@ -26,7 +27,8 @@ def seq(tokens) -> Seq:
 def compute(bm: BlockManager, s: Seq, n: int) -> None:
     """What the scheduler does around a step: allocate, (compute,) commit the stored tokens."""
     assert bm.allocate(s.kv, n)
-    bm.commit(s.kv, n, lambda: s.tokens)
+    bm.commit(s.kv, n, s.computed, lambda: s.tokens)
+    s.computed += n
 
 
 def test_allocation_and_free():
@@ -57,7 +59,7 @@ def test_fork_shares_and_copy_on_write_only_partial_block():
     bm = BlockManager(8, BS)
     parent = seq(range(6))
     compute(bm, parent, 6)  # blocks: [full, partial(2 of 4)]
-    child = Seq(list(range(6)), bm.fork(parent.kv))
+    child = Seq(list(range(6)), bm.fork(parent.kv), computed=6)
     assert child.block_table == parent.block_table
     assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
     child.tokens.append(42)
@@ -84,7 +86,8 @@ def test_prefix_hash_reuse_across_requests():
     hits = bm.match_prefix(b.tokens)
     assert hits == a.block_table[:2]
     assert bm.allocate(b.kv, len(b.tokens) - 8, hits)
-    assert b.kv.num_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert b.kv.num_tokens == 8
+    b.computed = 8 and b.block_table[:2] == a.block_table[:2]
     assert bm.blocks[hits[0]].ref_count == 2
     # a different first block breaks the chain even if the second block's tokens match
     c = seq([0, 0, 0, 0] + list(range(104, 108)) + [9])
@@ -147,7 +150,7 @@ def test_fork_copies_the_map_not_the_list():
     bm = BlockManager(8, BS)
     parent = seq(range(5))
     compute(bm, parent, 5)
-    child = Seq(list(range(5)), bm.fork(parent.kv))
+    child = Seq(list(range(5)), bm.fork(parent.kv), computed=5)
     child.tokens += [9, 9, 9, 9]
     compute(bm, child, 4)  # copy-on-write of block 1, then a new block 2
     assert len(parent.block_table) == 2 and len(child.block_table) == 3
@@ -193,3 +196,56 @@ def test_usage_counts_shared_blocks_once():
     compute(bm, a, 6)
     b = Seq(list(range(6)), bm.fork(a.kv))
     assert bm.usage([a.kv, b.kv]) == (2 * BS, 6)
+
+
+def test_drop_fills_holes_from_the_tail_and_frees_blocks():
+    bm = BlockManager(8, BS)
+    s = seq(range(11))  # blocks [0..3] [4..7] [8..10]
+    compute(bm, s, 11)
+    b0, b1, b2 = s.block_table
+    assert bm.drop(s.kv, [1, 5, 6])  # 8 stay: holes 1, 5, 6 take tokens 8, 9, 10
+    assert s.kv.num_tokens == 8 and s.block_table == [b0, b1] and bm.num_free_blocks == 6
+    assert s.kv.positions == [0, 8, 2, 3, 4, 9, 10, 7]
+    assert sorted(bm.take_moves()) == sorted([(b2 * BS, b0 * BS + 1), (b2 * BS + 1, b1 * BS + 1),
+                                              (b2 * BS + 2, b1 * BS + 2)])
+    assert bm.num_cached_blocks == 0  # both full blocks had holes filled: their content changed
+    assert bm.match_prefix(list(range(9))) == []
+    s.tokens.append(99)
+    compute(bm, s, 1)  # a new token goes to stored index 8, keeping its own position
+    assert s.kv.positions[-1] == 11 and s.kv.num_tokens == 9 and len(s.block_table) == 3
+
+
+def test_drop_into_a_shared_block_copies_it_first():
+    bm = BlockManager(8, BS)
+    parent = seq(range(8))
+    compute(bm, parent, 8)
+    child = Seq(list(range(8)), bm.fork(parent.kv), computed=8)
+    p0, p1 = parent.block_table
+    assert bm.drop(child.kv, [2])  # token 7 moves into index 2, inside the shared block p0
+    fresh = child.block_table[0]
+    assert fresh not in (p0, p1) and child.block_table[1] == p1 and parent.block_table == [p0, p1]
+    moves = dict((dst, src) for src, dst in bm.take_moves())
+    # The fresh block takes p0's slots, except slot 2, which takes token 7 from p1.
+    assert moves == {fresh * BS: p0 * BS, fresh * BS + 1: p0 * BS + 1, fresh * BS + 2: p1 * BS + 3,
+                     fresh * BS + 3: p0 * BS + 3}
+    assert bm.blocks[p0].ref_count == 1 and bm.blocks[p1].ref_count == 2
+    assert parent.kv.positions is None and child.kv.positions == [0, 1, 7, 3, 4, 5, 6]
+
+
+def test_drop_refused_without_room_for_the_copy():
+    bm = BlockManager(2, BS)
+    parent = seq(range(8))
+    compute(bm, parent, 8)
+    child = Seq(list(range(8)), bm.fork(parent.kv), computed=8)
+    assert not bm.drop(child.kv, [0])
+    assert child.kv.num_tokens == 8 and child.kv.positions is None and bm.take_moves() == []
+
+
+def test_drop_checks_indices():
+    import pytest
+
+    bm = BlockManager(4, BS)
+    s = seq(range(5))
+    compute(bm, s, 5)
+    with pytest.raises(ValueError, match="drop"):
+        bm.drop(s.kv, [5])

@@ -1,4 +1,5 @@
-"""`loom bench throughput | attention | prefix`: each writes docs/benchmarks/<name>.json and .png."""
+"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix`: each
+writes docs/benchmarks/<name>.json and .png."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--model", default=None, help=f"model directory (default: {default_model})")
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--out-dir", type=Path, default=None)
+
+    def sizes(p: argparse.ArgumentParser, **defaults: int) -> None:
+        """Integer options of one workload (--name-with-dashes N), with their defaults."""
+        for name, default in defaults.items():
+            p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
     def decode_run(p: argparse.ArgumentParser, batches: list[int], max_tokens: int) -> None:
         """Options of the runs that time the engine's decode steps (latency, planner)."""
@@ -40,9 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     n = sub.add_parser("parallel", help="n samples forked from one prefill vs n separate requests")
     common(n)
     n.add_argument("--dtype", default="float32")
-    n.add_argument("--n", type=int, default=8)
-    n.add_argument("--prompt-len", type=int, default=512)
-    n.add_argument("--output-len", type=int, default=64)
+    sizes(n, n=8, prompt_len=512, output_len=64)
     n.set_defaults(func=_parallel)
 
     lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
@@ -75,10 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
     common(p)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=768)
-    p.add_argument("--tail-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    sizes(p, num_requests=32, prefix_len=768, tail_len=32, output_len=32)
     p.set_defaults(func=_prefix)
 
 

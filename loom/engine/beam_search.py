@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from loom.outputs import CompletionOutput
 
-if TYPE_CHECKING:
-    from loom.engine.sequence import Request, Sequence
+
+class Beam(Protocol):
+    """What the search needs of a live beam (the engine's sequences are beams)."""
+    cumulative_logprob: float
+    output_token_ids: list[int]
+    proposals: list[tuple[int, float]] | None  # its top next tokens (token, logprob) this step
+
+
+B = TypeVar("B", bound=Beam)
 
 
 @dataclass(frozen=True)
@@ -69,35 +76,34 @@ class BeamState:
         self.done = not live or not improvable
         return live
 
+    def advance(self, live: list[B], fork: Callable[[B], B], release: Callable[[B], None]) -> list[B]:
+        """One search step, once every live beam has its proposals; returns the next live beams.
+        A beam chosen once continues itself, a beam chosen again continues in `fork` of it,
+        a beam not chosen (every beam, when the search is over) goes to `release`."""
+        live = list(live)  # `fork` may add to the caller's list
+        chosen = self.step([b.cumulative_logprob for b in live], [b.output_token_ids for b in live],
+                           [b.proposals for b in live])
+        for b in live:
+            b.proposals = None
+        next_beams: list[B] = []
+        used: set[int] = set()
+        for c in chosen if not self.done else []:
+            if c.beam in used:
+                next_beams.append(fork(live[c.beam]))
+            else:
+                next_beams.append(live[c.beam])
+                used.add(c.beam)
+        for i, b in enumerate(live):
+            if i not in used:
+                release(b)
+        for beam, c in zip(next_beams, chosen):
+            beam.output_token_ids.append(c.token)
+            beam.cumulative_logprob += c.logprob
+        return next_beams
+
     def completions(self) -> list[CompletionOutput]:
         """The finished hypotheses, best first."""
         return [CompletionOutput(index=i, text=self.decode(h.token_ids) if self.decode else "", token_ids=h.token_ids,
                                  finish_reason="stop" if h.token_ids[-1] in self.eos_token_ids else "length",
                                  cumulative_logprob=h.cumulative_logprob)
                 for i, h in enumerate(self.finished)]
-
-
-def advance_beams(request: Request, fork: Callable[[Sequence], Sequence], release: Callable[[Sequence], None]) -> None:
-    """Once every live beam of `request` has its proposals: one search step. A beam chosen
-    once continues itself, a beam chosen again continues in a fork of it (blocks shared), a
-    beam not chosen (or every beam, when the search is over) is released."""
-    live = list(request.seqs)
-    chosen = request.beam.step([s.cumulative_logprob for s in live], [s.output_token_ids for s in live],
-                               [s.proposals for s in live])
-    for s in live:
-        s.proposals = None
-    next_beams: list[Sequence] = []
-    used: set[int] = set()
-    for c in chosen if not request.beam.done else []:
-        if c.beam in used:
-            next_beams.append(fork(live[c.beam]))
-        else:
-            next_beams.append(live[c.beam])
-            used.add(c.beam)
-    for b, s in enumerate(live):
-        if b not in used:
-            release(s)
-    for beam, c in zip(next_beams, chosen):
-        beam.output_token_ids.append(c.token)
-        beam.cumulative_logprob += c.logprob
-    request.seqs = next_beams

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,19 +22,12 @@ from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, PrefillSegment
 from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.swap import SwapSpace
-from loom.layers.sampler import Sampler, SampleResult, SampleRow, top_logprobs
+from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
 
 if TYPE_CHECKING:
     from loom.engine.scheduler import ScheduledBatch
-
-
-@dataclass
-class SeqStepOutput:
-    sample: SampleResult | None = None    # None while the sequence is mid-prompt
-    # (position, {token: Logprob}) for the prompt tokens this step scored
-    prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
 
 
 _engine_ids = itertools.count()
@@ -95,7 +87,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         """Runs one step: a result per scheduled sequence."""
-        # Order matters: blocks freed by a swap-out may be refilled by a swap-in or a copy.
+        # Order matters: moves concern blocks their sequences held when the moves were planned
+        # (the swap-out copies what they leave); blocks freed by a swap-out may be refilled by a
+        # swap-in or a copy.
+        self.cache.move_slots(batch.moves)
         if batch.swap_out:
             self.swap_space.swap_out(batch.swap_out)
         if batch.swap_in:
@@ -114,7 +109,10 @@ class ModelRunner:
             slots += seq.kv.slots(stored, stored + n)
             if i >= batch.num_decodes:
                 block_ids = torch.tensor(seq.kv.blocks_for(stored + n), dtype=torch.long, device=self.device)
-                prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids))
+                key_positions = None if seq.kv.positions is None else torch.tensor(
+                    seq.kv.positions + list(range(start, start + n)), device=self.device)
+                prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,
+                                               key_positions=key_positions))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 logit_rows.append((i, row))
             row += n

@@ -18,18 +18,14 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from loom.config import SchedulerConfig
-from loom.engine.beam_search import advance_beams
 from loom.engine.sequence import Request, Sequence, SequenceStatus
 from loom.engine.stop_checker import StopChecker
 from loom.kv.block_manager import BlockManager
+from loom.layers.sampler import SampleResult, SeqStepOutput
 from loom.outputs import EngineStats
 
-if TYPE_CHECKING:
-    from loom.engine.model_runner import SeqStepOutput
-    from loom.layers.sampler import SampleResult
 
 
 @dataclass
@@ -37,6 +33,7 @@ class ScheduledBatch:
     seqs: list[Sequence]            # packed order: single-token rows (decodes) first
     num_new_tokens: list[int]       # tokens each sequence computes this step
     num_decodes: int                # leading sequences with exactly one new token
+    moves: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) slots, from dropped tokens
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
@@ -149,8 +146,8 @@ class Scheduler:
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
         return ScheduledBatch(seqs=[s for s, _ in chosen], num_new_tokens=[n for _, n in chosen],
-                              num_decodes=sum(1 for _, n in chosen if n == 1), copies=bm.take_copies(),
-                              swap_out=swap_out, swap_in=swap_in)
+                              num_decodes=sum(1 for _, n in chosen if n == 1), moves=bm.take_moves(),
+                              copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in)
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -185,8 +182,8 @@ class Scheduler:
         changed: dict[str, Request] = {}
         beam_requests: dict[str, Request] = {}
         for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
+            self.block_manager.commit(seq.kv, n, seq.num_computed_tokens, seq.token_ids)
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq.kv, n, seq.token_ids)
             request = seq.request
             for position, logprobs in result.prompt_logprobs or ():
                 request.prompt_logprobs[position] = logprobs
@@ -200,7 +197,7 @@ class Scheduler:
             changed[request.request_id] = request
         for request in beam_requests.values():
             if all(s.proposals is not None for s in request.seqs):
-                advance_beams(request, self._fork, self._release)
+                request.seqs = request.beam.advance(request.seqs, self._fork, self._release)
                 if request.finished:
                     changed[request.request_id] = request
         return list(changed.values())

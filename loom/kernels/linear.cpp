@@ -167,6 +167,14 @@ inline void store_panel_row(Out* y, __m512 v0, __m512 v1, const float* scale, in
 
 // Calls step(u, i) for i in [begin, end), u = i % U as a compile-time index (accumulators
 // chosen by u stay in registers): few rows alternate accumulators to hide the dot product's latency.
+// Zeroes an accumulator: one vector, or every vector of a (nested) array of them.
+inline void set_zero(__m512& v) { v = _mm512_setzero_ps(); }
+inline void set_zero(__m512i& v) { v = _mm512_setzero_si512(); }
+template <typename V, size_t N>
+inline void set_zero(V (&a)[N]) {
+  for (auto& v : a) set_zero(v);
+}
+
 template <int U, typename Step>
 inline void unrolled(int64_t begin, int64_t end, Step step) {
   int64_t i = begin;
@@ -185,8 +193,7 @@ inline void panel_tile(const uint32_t* x32, int64_t ldx, int64_t steps, const vo
                        Out* y, int64_t ldy) {
   constexpr int U = MR >= 4 ? 1 : 2;  // few rows: alternate accumulators to hide the dot product's latency
   __m512 acc[U][MR][2];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_ps();
+  set_zero(acc);
   auto step = [&](auto u, int64_t s) {  // u: a compile-time index, so the accumulators stay in registers
     __m512i b0, b1;
     load_step(panel, s, b0, b1);
@@ -352,11 +359,10 @@ inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const u
   constexpr int U = kChains<MR>;
   const int64_t quads_per_group = a.group / 4;
   __m512 total[MR][2];
-  for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
+  set_zero(total);
   for (int64_t g = 0; g < a.groups; ++g) {
     __m512i acc[U][MR][2];
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
+    set_zero(acc);
     unrolled<U>(g * quads_per_group, std::min((g + 1) * quads_per_group, quads), [&](auto u, int64_t d) {
       __m512i w0, w1;
       load_step(panel, d, w0, w1);
@@ -389,11 +395,10 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
   constexpr int64_t kOctetsPerGroup = kInt4ActivationGroup / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 total[MR][2];
-  for (int m = 0; m < MR; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
+  set_zero(total);
   for (int64_t g = 0; g < a.groups; ++g) {
     __m512i acc[U][MR][2];
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_si512();
+    set_zero(acc);
     for (int64_t d = g * kOctetsPerGroup; d < (g + 1) * kOctetsPerGroup; ++d) {
       __m512i block[2];
       load_step(panel, d, block[0], block[1]);

@@ -21,6 +21,9 @@ class PrefillSegment:
     num_tokens: int       # rows of this chunk (queries)
     context_len: int      # tokens it attends over: cached prefix + this chunk
     block_ids: torch.Tensor  # int64 block ids covering context_len tokens
+    # Position of each of the context_len stored tokens, when they are not 0 .. context_len - 1
+    # (tokens were dropped); the chunk's own tokens are the last num_tokens.
+    key_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,10 +68,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         return F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                               scale=scale, enable_gqa=gqa).transpose(0, 1)
     kc, vc = cache.gather(layer, seg.block_ids, seg.context_len)
-    # Query i sits at position context_len - n + i and sees every key up to it.
-    offset = seg.context_len - n
-    rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
-    mask = torch.arange(seg.context_len, device=q.device).unsqueeze(0) <= rows
+    # Every query sees the keys at positions up to its own.
+    keys = seg.key_positions
+    if keys is None:  # stored token i is at position i; query i sits at context_len - n + i
+        keys = torch.arange(seg.context_len, device=q.device)
+    mask = keys.unsqueeze(0) <= keys[-n:].unsqueeze(1)
     return F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
 
 

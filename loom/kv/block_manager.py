@@ -12,6 +12,10 @@ in LRU order, until a new allocation needs the space.
 
 A second tier (swap) holds the blocks of sequences preempted by swapping: their slot maps keep
 their tokens while the blocks sit in swap slots.
+
+Any stored token can be dropped (`drop`, for a KV policy): the last stored tokens move into the
+holes, so a sequence's stored tokens always fill its first slots and attention reads them as it
+reads any other; blocks left empty go back to the pool.
 """
 from __future__ import annotations
 
@@ -35,11 +39,13 @@ class SlotMap:
     `block_ids[i // block_size] * block_size + i % block_size`.
 
     `num_tokens` counts the tokens stored (what attention reads), which the scheduler keeps
-    apart from how far the sequence has been computed: the index of a stored token is not its
-    position in the sequence. Written only by the BlockManager; everyone else reads."""
+    apart from how far the sequence has been computed. `positions` is None while stored token i
+    is the sequence's token i; once tokens were dropped it lists each stored token's position.
+    Written only by the BlockManager; everyone else reads."""
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    positions: list[int] | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     swap_ids: list[int] = field(default_factory=list)  # second-tier slots while swapped out
@@ -70,6 +76,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()       # unreferenced, hashed; LRU first
         self._cached: dict[bytes, int] = {}                           # hash -> block id
         self._pending_copies: list[tuple[int, int]] = []              # (src, dst) copy-on-write
+        self._pending_moves: list[tuple[int, int]] = []               # (src, dst) slots, after drops
         self._free_swap_ids: deque[int] = deque(range(num_swap_blocks))
         self.num_swap_blocks = num_swap_blocks
         self.prefix_query_tokens = 0
@@ -125,10 +132,15 @@ class BlockManager:
         self.prefix_query_tokens += num_prompt_tokens
         self.prefix_hit_tokens += num_hit_tokens
 
-    def commit(self, slots: SlotMap, num_new_tokens: int, token_ids: Callable[[], list[int]]) -> None:
-        """Records that `num_new_tokens` more tokens are stored, and enters newly filled blocks
-        into the prefix cache (`token_ids` gives the sequence's tokens, asked for only then)."""
+    def commit(self, slots: SlotMap, num_new_tokens: int, first_position: int,
+               token_ids: Callable[[], list[int]]) -> None:
+        """Records that the tokens at positions first_position .. + num_new_tokens - 1 are
+        stored, and enters newly filled blocks into the prefix cache (`token_ids` gives the
+        sequence's tokens, asked for only then; a map with dropped tokens enters none)."""
         slots.num_tokens += num_new_tokens
+        if slots.positions is not None:
+            slots.positions += range(first_position, first_position + num_new_tokens)
+            return
         full = slots.num_tokens // self.block_size
         if not self.enable_prefix_caching or full <= slots.num_registered_blocks:
             return
@@ -180,11 +192,62 @@ class BlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The (src, dst) slot moves of the drops since the last call, to make before the next
+        step (before its swaps and copies: they concern blocks the dropping maps held)."""
+        moves, self._pending_moves = self._pending_moves, []
+        return moves
+
+    def drop(self, slots: SlotMap, indices: Iterable[int]) -> bool:
+        """Drops the stored tokens at `indices`. The last stored tokens that stay move into the
+        holes that stay; a shared block receiving one is copied first (the copy and the move
+        become one set of slot moves), a cached one leaves the prefix cache, emptied blocks are
+        freed. Returns False, changing nothing, if a copy finds no free block."""
+        bs, n = self.block_size, slots.num_tokens
+        dropped = set(indices)
+        if not dropped:
+            return True
+        if not all(0 <= i < n for i in dropped):
+            raise ValueError(f"drop: indices must be stored tokens in [0, {n}), got {sorted(dropped)[:5]}")
+        kept = n - len(dropped)
+        holes = sorted(i for i in dropped if i < kept)
+        fills = [i for i in range(kept, n) if i not in dropped]  # as many as holes
+        shared = sorted({h // bs for h in holes if self.blocks[slots.block_ids[h // bs]].ref_count > 1})
+        if len(shared) > self.num_free_blocks:
+            return False
+        source = {}  # slot -> the slot whose content it takes
+        for b in shared:
+            old, fresh = slots.block_ids[b], self._take_free()
+            self.blocks[old].ref_count -= 1
+            slots.block_ids[b] = fresh
+            source.update({fresh * bs + i: old * bs + i for i in range(bs)})
+        old_slots = dict(source)
+        for h, f in zip(holes, fills):
+            f_slot = slots.block_ids[f // bs] * bs + f % bs
+            source[slots.block_ids[h // bs] * bs + h % bs] = old_slots.get(f_slot, f_slot)
+        self._pending_moves += [(src, dst) for dst, src in source.items() if src != dst]
+        for b in {h // bs for h in holes}:  # its content changes: no longer the cached prefix block
+            block = self.blocks[slots.block_ids[b]]
+            if block.hash is not None:
+                del self._cached[block.hash]
+                block.hash = None
+        positions = slots.positions if slots.positions is not None else list(range(n))
+        for h, f in zip(holes, fills):
+            positions[h] = positions[f]
+        slots.positions = positions[:kept]
+        slots.num_tokens = kept
+        for block_id in reversed(slots.block_ids[-(-kept // bs):]):
+            self._release(block_id)
+        del slots.block_ids[-(-kept // bs):]
+        slots.block_hashes, slots.num_registered_blocks = [], 0
+        return True
+
     def fork(self, parent: SlotMap) -> SlotMap:
         """A map sharing every block of `parent` (written later only through copy-on-write)."""
         for block_id in parent.block_ids:
             self.blocks[block_id].ref_count += 1
-        return SlotMap(self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes),
+        return SlotMap(self.block_size, list(parent.block_ids), parent.num_tokens,
+                       None if parent.positions is None else list(parent.positions), list(parent.block_hashes),
                        parent.num_registered_blocks)
 
     def free(self, slots: SlotMap) -> None:
@@ -192,18 +255,12 @@ class BlockManager:
         # Tail first: the end of a prefix is the least likely part to be shared again, so it
         # should be evicted before the head.
         for block_id in reversed(slots.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free_ids.append(block_id)
+            self._release(block_id)
         if self._pending_copies:  # a copy into a block this sequence no longer holds is moot
             held = set(slots.block_ids)
             self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in held]
         self._free_swap_ids.extend(slots.swap_ids)
-        slots.block_ids, slots.swap_ids = [], []
+        slots.block_ids, slots.swap_ids, slots.positions = [], [], None
         slots.num_tokens = slots.num_registered_blocks = 0
 
     def usage(self, maps: Iterable[SlotMap]) -> tuple[int, int]:
@@ -225,9 +282,9 @@ class BlockManager:
         # A block still waiting for its copy-on-write copy holds nothing yet: save the source.
         pending = {dst: src for src, dst in self._pending_copies}
         pairs = [(pending.get(b, b), self._free_swap_ids.popleft()) for b in slots.block_ids]
-        stored, hashes = slots.num_tokens, slots.block_hashes
+        stored, positions, hashes = slots.num_tokens, slots.positions, slots.block_hashes
         self.free(slots)
-        slots.num_tokens, slots.block_hashes = stored, hashes
+        slots.num_tokens, slots.positions, slots.block_hashes = stored, positions, hashes
         slots.swap_ids = [slot for _, slot in pairs]
         return pairs
 
@@ -243,6 +300,15 @@ class BlockManager:
         slots.swap_ids = []
         slots.block_ids = [block for _, block in pairs]
         return pairs
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free_ids.append(block_id)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

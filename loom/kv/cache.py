@@ -59,6 +59,17 @@ class KVCache:
         v = self.values[layer][block_ids].transpose(0, 1).flatten(1, 2)[:, :length]
         return k, v
 
+    def move_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy single token slots src -> dst in every layer (all reads before any write)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.keys[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=self.keys[0].device)
+        bs = self.block_size
+        for keys, values in zip(self.keys, self.values):
+            keys[dst // bs, :, :, dst % bs] = keys[src // bs, :, :, src % bs]
+            values[dst // bs, :, dst % bs] = values[src // bs, :, src % bs]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
         copy_blocks(pairs, self.keys, self.keys, self.values, self.values)

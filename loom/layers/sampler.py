@@ -38,6 +38,14 @@ class SampleResult:
     proposals: list[tuple[int, float]] | None = None  # beam search: (token, logprob), best first
 
 
+@dataclass
+class SeqStepOutput:
+    """What one step produced for one sequence."""
+    sample: SampleResult | None = None    # None while the sequence is mid-prompt
+    # (position, {token: Logprob}) for the prompt tokens this step scored
+    prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
