@@ -247,8 +247,9 @@ def test_output_kinds(text_model, kind):
     prompt = "To be, or not"
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     stop = free[0].outputs[0].text[12:15]  # a stop string inside the text: held back, then cut
-    params = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=1)
-    expected = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=1, prompt_logprobs=2)
+    whole = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+    expected = whole.outputs[0]
     assert expected.finish_reason == "stop" and stop not in expected.text
     rid = llm.engine.add_request(prompt, SamplingParams(**params, output_kind=RequestOutputKind(kind)))
     outs = []
@@ -262,10 +263,12 @@ def test_output_kinds(text_model, kind):
         text = "".join(o.outputs[0].text for o in outs)
         tokens = [t for o in outs for t in o.outputs[0].token_ids]
         logprobs = [lp for o in outs for lp in o.outputs[0].logprobs]
+        assert all(o.prompt_logprobs is None for o in outs[1:])  # sent once, with the first
     else:
         text, tokens, logprobs = outs[-1].outputs[0].text, outs[-1].outputs[0].token_ids, outs[-1].outputs[0].logprobs
     assert (text, tokens, logprobs) == (expected.text, expected.token_ids, expected.logprobs)
     assert outs[-1].outputs[0].finish_reason == expected.finish_reason
+    assert outs[0].prompt_logprobs == whole.prompt_logprobs and len(whole.prompt_logprobs) > 1
 
 
 def test_config_errors(gqa_dir):

@@ -51,7 +51,7 @@ def load_script():
 
 # ---------------------------------------------------------------------------- needle format
 
-def test_needle_strings_are_exactly_the_issue_format() -> None:
+def test_needle_strings_are_exactly_the_trained_format() -> None:
     assert needle_fact("Romeo", "12345") == "The secret number of Romeo is 12345."
     assert needle_question("Romeo") == "What is the secret number of Romeo? The secret number of Romeo is"
     assert needle_answer("12345") == " 12345."

@@ -53,7 +53,8 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     # A token budget that takes every prompt in one step, so that all the timed steps decode.
     llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
               max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30)
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, llm.engine.config.model_config.vocab_size)]
+    vocab_size = llm.engine.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine, rates = llm.engine, []

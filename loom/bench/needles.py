@@ -1,4 +1,4 @@
-"""Needle-in-a-haystack samples in the house model's exact format (issue 3).
+"""Needle-in-a-haystack samples in the house model's exact format.
 
 Somewhere in a long stretch of Shakespeare sits the line
 

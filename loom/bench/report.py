@@ -25,9 +25,28 @@ def model_label(path: str | Path) -> str:
     return path.name
 
 
+def cpu() -> dict[str, Any]:
+    """The CPU the figures were measured on: its model name and the features Loom's kernels and
+    torch's GEMMs choose paths by."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    features = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"model": name, "features": [f for f in features if f in flags]}
+
+
 def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": torch.multiprocessing.cpu_count(),
+            "machine": platform.machine(), "cpu": cpu(), "cpu_count": torch.multiprocessing.cpu_count(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -52,7 +71,7 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     bars = ax.bar(labels, values, color=["#4C72B0" if "loom" in l.lower() else "#999999" for l in labels])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(f"{title}\n{cpu()['model']}, torch {torch.__version__}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -296,7 +296,8 @@ ENGINE_LABELS = {"loom": "Loom", "hf-transformers": "HF", "llama.cpp": "llama.cp
 
 
 def _latency_ratios(rows: list[dict]) -> dict[str, float]:
-    """The issue's comparisons within one round: Loom over each peer, quantized over bf16."""
+    """The ratios the latency figures are quoted by, within one round: Loom over each peer,
+    quantized over bf16."""
     def rate(engine: str, dtype: str, batch: int, quant: str | None = None) -> float | None:
         for r in rows:
             if (r["engine"], r["dtype"], r["batch"], r.get("quantization")) == (engine, dtype, batch, quant):

@@ -78,7 +78,8 @@ class InputProcessor:
         if beam_width < 1:
             raise ValueError(f"beam_width: must be >= 1, got {beam_width}")
         if 2 * beam_width > self.config.model_config.vocab_size:
-            raise ValueError(f"beam_width: {beam_width} needs 2 x {beam_width} candidate tokens, more than the vocabulary")
+            raise ValueError(f"beam_width: {beam_width} needs 2 x {beam_width} candidate tokens, "
+                             "more than the vocabulary")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)

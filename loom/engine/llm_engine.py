@@ -76,9 +76,15 @@ class LLMEngine:
         if batch.seqs:
             results = self.runner.execute(batch)
             changed += self.scheduler.postprocess(batch, results)
-        elif self.scheduler.has_unfinished():  # would loop forever: a bookkeeping bug, not user input
-            raise RuntimeError("scheduler made no progress with requests pending")
-        return self._outputs(changed)
+        outputs = self._outputs(changed)
+        if not batch.seqs and (self.scheduler.has_unfinished() or self._lost_requests()):
+            raise RuntimeError("scheduler made no progress with requests pending")  # a bookkeeping bug
+        return outputs
+
+    def _lost_requests(self) -> bool:
+        """Whether a request the scheduler was given is unfinished yet no longer scheduled."""
+        with self._lock:
+            return len(self._requests) > len(self._added)
 
     def _take_queued(self) -> list[Request]:
         """Hands the added requests to the scheduler and aborts the aborted ones (returned)."""
@@ -94,10 +100,11 @@ class LLMEngine:
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = [out for r in requests if (out := r.output()) is not None]
-        with self._lock:
-            for r in requests:
-                if r.finished:
-                    self._requests.pop(r.request_id, None)
+        finished = [out.request_id for out in outputs if out.finished]  # a finished request always reports
+        if finished:
+            with self._lock:
+                for request_id in finished:
+                    self._requests.pop(request_id, None)
         return outputs
 
     def stats(self) -> EngineStats:

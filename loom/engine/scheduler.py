@@ -205,10 +205,12 @@ class Scheduler:
     def _append_samples(self, seq: Sequence, sample: SampleResult) -> None:
         """The first token continues `seq`; each further one (n > 1, at the end of the
         prompt) continues a fork of it."""
-        children = [self._fork(seq) for _ in sample.token_ids[1:]]
-        seq.generators = seq.generators[:1]
-        logprobs = sample.logprobs or [None] * len(sample.token_ids)
-        for s, token, lp in zip([seq, *children], sample.token_ids, logprobs):
+        tokens, logprobs = sample.token_ids, sample.logprobs or [None] * len(sample.token_ids)
+        targets = [seq]
+        if len(tokens) > 1:
+            targets += [self._fork(seq) for _ in tokens[1:]]
+            seq.generators = seq.generators[:1]
+        for s, token, lp in zip(targets, tokens, logprobs):
             reason = self.stop_checker.finish_reason(s, s.append_token(token, lp))
             if reason is not None:
                 s.finish(reason)

@@ -28,6 +28,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     request: Request
     kv: SlotMap  # where its cached tokens are (the block manager's to change)
+    # the request's, read at every step
+    params: SamplingParams = field(init=False)
+    prompt_token_ids: list[int] = field(init=False)
     index: int = 0  # which of the request's n outputs (or beams) this is
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -51,32 +54,27 @@ class Sequence:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
 
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
+    def __post_init__(self) -> None:
+        self.params, self.prompt_token_ids = self.request.params, self.request.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, stop: int) -> list[int]:
-        n = len(self.request.prompt_token_ids)
+        n = len(self.prompt_token_ids)
         if stop <= n:
-            return self.request.prompt_token_ids[start:stop]
+            return self.prompt_token_ids[start:stop]
         if start >= n:
             return self.output_token_ids[start - n:stop - n]
-        return self.request.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -147,6 +145,7 @@ class Request:
     beam: BeamState | None = None  # set for a beam search request; seqs are then its live beams
     num_created: int = 0  # sequences made so far (each gets the next index)
     aborted: bool = False
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once, in the first
 
     @property
     def finished(self) -> bool:
@@ -195,8 +194,10 @@ class Request:
             outputs = self.beam.completions()
         else:
             outputs = [s.completion(kind) for s in self.seqs]
+        prompt_logprobs = None if kind is RequestOutputKind.DELTA and self.prompt_logprobs_sent else self.prompt_logprobs
+        self.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=finished,
             num_cached_tokens=self.seqs[0].num_cached_prompt_tokens if self.seqs else 0,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=prompt_logprobs)

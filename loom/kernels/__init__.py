@@ -1,8 +1,9 @@
 """Loom's C++ CPU kernels, registered as torch operators (`torch.ops.loom.*`).
 
-The C++ sources sit beside this file. Built once per machine by torch's cpp_extension (cached on disk, rebuilt when a source
-changes) with -march=native. Being real operators, with shape-only "fake" versions below,
-they run inside `torch.compile`d graphs as opaque calls, and eager calls cost no Python.
+The C++ sources sit beside this file. Built once per machine by torch's cpp_extension (cached
+on disk, rebuilt when a source changes) with -march=native. Being real operators, with
+shape-only "fake" versions below, they run inside `torch.compile`d graphs as opaque calls, and
+eager calls cost no Python.
   paged_decode_attention  decode attention over the paged KV pool (paged_attention.cpp)
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)

@@ -1,0 +1,46 @@
+"""The `loom` command line's contract for mistakes: one line naming the problem, status 1, no
+traceback unless asked for with --debug."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_missing_model_directory(capsys):
+    code, err = run(capsys, "generate", "--model", "/nonexistent/model", "hi")
+    assert code == 1 and err == "loom: error: /nonexistent/model: model directory not found\n"
+
+
+def test_broken_config(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    code, err = run(capsys, "generate", "--model", str(tmp_path), "hi")
+    assert code == 1 and err.startswith(f"loom: error: {tmp_path / 'config.json'}: not valid JSON")
+    assert err.count("\n") == 1
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    code, err = run(capsys, "generate", "--model", str(tmp_path), "hi")
+    assert code == 1 and "field 'architectures'" in err and err.count("\n") == 1
+
+
+def test_bad_option_value(capsys, hf_models):
+    model_dir, _ = hf_models("llama_gqa")
+    capsys.readouterr()  # what building the model printed
+    code, err = run(capsys, "generate", "--model", str(model_dir), "--max-tokens", "0", "hi")
+    assert code == 1 and err == "loom: error: max_tokens: must be >= 1, got 0\n"
+    code, err = run(capsys, "quantize", str(model_dir), "--method", "int4")
+    assert code == 1 and err == "loom: error: give SRC and DST directories (or --calibrate)\n"
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        main(["generate", "--model", "/nonexistent/model", "hi", "--debug"])
+    with pytest.raises(FileNotFoundError):
+        main(["--debug", "generate", "--model", "/nonexistent/model", "hi"])
