@@ -114,6 +114,7 @@ class Sequence:
         if reason != "stop" and self.detokenizer is not None:  # a stop string already cut the text
             self.text += self.detokenizer.finish()
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+        self.request.num_finished += 1
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         """Its output so far, whole or (DELTA) what is new since the last call."""
@@ -144,6 +145,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beam: BeamState | None = None  # set for a beam search request; seqs are then its live beams
     num_created: int = 0  # sequences made so far (each gets the next index)
+    num_finished: int = 0  # of its n samples
     aborted: bool = False
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once, in the first
 
@@ -153,7 +155,7 @@ class Request:
             return True
         if self.beam is not None:
             return self.beam.done
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return self.num_finished == self.params.n
 
     def new_sequence(self, kv: SlotMap, detokenizer: IncrementalDetokenizer | None,
                      generators: list[torch.Generator | None]) -> Sequence:
