@@ -96,6 +96,18 @@ def text_model(tmp_path_factory):
 
 
 
+def assert_tracks(llm, reference, ids: list[int], max_error: float, mean_error: float, agreement: float) -> None:
+    """Teacher-forced over `ids`, the engine's logprobs of each next token are within
+    `max_error` nats of the transformers `reference`'s (`mean_error` on average), and the two
+    rank the same token first at `agreement` of the positions or more."""
+    got, got_top = engine_logprobs(llm, ids)
+    want, want_top = hf_logprobs(reference, ids)
+    error = (got - want).abs()
+    assert error.max() < max_error and error.mean() < mean_error, (error.max(), error.mean())
+    agree = sum(a == b for a, b in zip(got_top, want_top)) / len(want_top)
+    assert agree >= agreement, agree
+
+
 def engine_logprobs(llm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Teacher-forced through the engine: the logprob of each of ids[1:] given the tokens
     before it, and the engine's most likely token at each of those positions."""
