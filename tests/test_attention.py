@@ -158,3 +158,15 @@ def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
     ref = dense_attention(q, k[history + [L + 1, L + 2, L + 3]], v[history + [L + 1, L + 2, L + 3]],
                           causal_offset=len(history))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_benchmark_runs_in_a_fresh_process():
+    """`loom bench attention` builds the kernels it times (it once called them unbuilt)."""
+    import subprocess
+    import sys
+
+    code = ("from loom.bench.attention import run; import torch; "
+            "r = run(2, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1); "
+            "print(sorted(r), r['paged_ms'] > 0 and r['contiguous_sdpa_ms'] > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "'paged_ms'" in out and out.strip().endswith("True")

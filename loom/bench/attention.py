@@ -8,6 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from loom.kernels import load_kernels
 from loom.kv.attention import paged_decode_attention
 from loom.kv.cache import KVCache
 
@@ -24,6 +25,7 @@ def _time(fn, repeats: int) -> list[float]:
 
 def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
         rounds: int = 7, repeats: int = 10) -> dict:
+    load_kernels()
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // block_size)
     cache = KVCache(1, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu")
