@@ -9,8 +9,9 @@ from loom.tokenizer import Tokenizer
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
-    """The model's end-of-sequence ids: config.json's, plus the tokenizer's EOS token."""
-    ids = set(model_config.eos_token_ids)
+    """The model's end-of-sequence ids: config.json's and generation_config.json's, plus the
+    tokenizer's EOS token."""
+    ids = set(model_config.eos_token_ids) | set(model_config.generation_eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

@@ -1,6 +1,7 @@
 """The model shape Loom needs, read from a Hugging Face `config.json`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +58,18 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     quantization: dict[str, Any] | None = None  # Loom's weight-only checkpoint format, if quantized
+    # generation_config.json's eos_token_id: where the model's generation ends besides config.json's
+    generation_eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = config_path(model_dir)
-        return cls.from_dict(read_hf_config(path), source=str(path))
+        config = cls.from_dict(read_hf_config(path), source=str(path))
+        generation = path.with_name("generation_config.json")
+        if not generation.is_file():
+            return config
+        eos = read_hf_config(generation).get("eos_token_id")
+        return dataclasses.replace(config, generation_eos_token_ids=_ids(eos))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -95,8 +103,6 @@ class ModelConfig:
         if kind not in ("llama3", "default"):
             raise ValueError(f"{source}: rope type {kind!r} is not supported (default or llama3)")
         rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -113,9 +119,14 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_ids(raw.get("eos_token_id")),
             quantization=_quantization(raw.get("quantization_config"), source),
         )
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A token id field that may hold one id, a list, or nothing."""
+    return tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
 
 
 QUANT_FORMAT = "loom-weight-only"

@@ -22,7 +22,9 @@ from loom.quant.dispatch import load_crossover
 from loom.quant.linear import WeightOnlyLinear
 from loom.quant.quantize import check_options, pack_int4, unpack_int4
 
-_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+# What a quantized checkpoint keeps of its source besides the weights and config.json.
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                 "chat_template.jinja", "additional_chat_templates")
 
 
 def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Path) -> None:
@@ -49,7 +51,9 @@ def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Pat
     config["quantization_config"] = {"quant_method": QUANT_FORMAT, "method": method, "group_size": group_size}
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _COPIED_FILES:
-        if (src / name).is_file():
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name, dirs_exist_ok=True)
+        elif (src / name).is_file():
             shutil.copy(src / name, dst / name)
 
 
