@@ -72,3 +72,21 @@ def test_engines_do_not_share_dynamic_shapes(hf_models):
         dynamic = [source for source, entry in states[name].automatic_dynamic.items() if "_modules" in source
                    and ("?" in entry.render() or "dynamic" in entry.render())]
         assert dynamic == [], f"{name}: weights compiled with dynamic sizes: {dynamic[:3]}"
+
+
+def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models):
+    """Loading compiles the batch-1 graph and the one for larger batches; requests of any batch
+    size after that compile nothing (no request waits for the compiler)."""
+    from torch._dynamo.utils import counters
+
+    model_dir, _ = hf_models("llama_mha")
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM(str(model_dir), enforce_eager=False)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    loaded = counters["stats"]["unique_graphs"]
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # batches of 3, 2 and 1, contexts crossing blocks
+    one = llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == loaded
+    eager = LLM(str(model_dir), enforce_eager=True).generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    assert one[0].outputs[0].token_ids == eager[0].outputs[0].token_ids

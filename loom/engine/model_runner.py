@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 from loom.config import EngineConfig
 from loom.engine.sequence import Sequence
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 
 _engine_ids = itertools.count()
+# Decode batch sizes compiled at load: 1 has a graph of its own, 2 makes the one for all larger.
+DECODE_GRAPH_BATCHES = (1, 2)
 
 
 def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -74,6 +77,28 @@ class ModelRunner:
                 _private_forward(self.model), fullgraph=True,
                 options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True,
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            self._compile_decode_graphs()
+
+    @torch.inference_mode()
+    def _compile_decode_graphs(self) -> None:
+        """Compiles the decode graphs now, at load, so that no request waits for it: one step of
+        batch 1 and one of batch 2 (which makes the graph for every larger batch), on block 0
+        of a pool no sequence uses yet. Inductor caches the result on disk: later loads of the
+        same model are quick."""
+        for batch in tqdm(DECODE_GRAPH_BATCHES, desc="Compiling decode steps", unit="graph"):
+            ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
+            meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
+                                     decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),
+                                     decode_context_lens=torch.ones(batch, dtype=torch.int32, device=self.device))
+            self._forward(ids, positions, meta, decode_only=True)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 decode_only: bool) -> torch.Tensor:
+        if self.decode_forward is not None and decode_only:
+            # The table width is any size, 1 included: no specialization on its value.
+            torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
+            return self.decode_forward(ids, positions, self.cache, meta)
+        return self.model(ids, positions, self.cache, meta)
 
     @property
     def num_swap_blocks(self) -> int:
@@ -132,12 +157,7 @@ class ModelRunner:
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.decode_forward is not None and not prefills:
-            # The table width is any size, 1 included: no specialization on its value.
-            torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
-            hidden = self.decode_forward(ids, pos, self.cache, meta)
-        else:
-            hidden = self.model(ids, pos, self.cache, meta)
+        hidden = self._forward(ids, pos, meta, decode_only=not prefills)
         outputs = [SeqStepOutput() for _ in batch.seqs]
         if sample_rows:
             sampled = hidden  # decode-only steps sample every row: no gather
