@@ -147,6 +147,11 @@ def test_quantized_checkpoint_round_trip(hf_models, tmp_path, capsys, method, gr
     assert not (tmp_path / "again").exists()
     with pytest.raises(ValueError, match="already quantized"):
         LLM(str(dst), quantization="int8")
+    assert "modules_to_not_convert" not in config["quantization_config"]  # every layer quantized
+    config["quantization_config"]["modules_to_not_convert"] = ["layers.0.mlp.no_such_proj"]
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"modules_to_not_convert names no linear layer.*no_such_proj"):
+        LLM(str(dst))
 
 
 def test_bad_options(hf_models):

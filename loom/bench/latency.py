@@ -90,6 +90,10 @@ def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens:
             model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                            do_sample=False, pad_token_id=0, eos_token_id=None)
             # decode time: the whole call less a prefill measured on its own
-            rates.append((max_tokens - 1) / max(time.perf_counter() - t - prefill, 1e-9))
+            decode = time.perf_counter() - t - prefill
+            if decode <= 0:
+                raise RuntimeError(f"transformers' decode time is lost in its prefill's noise at max_tokens "
+                                   f"{max_tokens}: raise --max-tokens")
+            rates.append((max_tokens - 1) / decode)
     return {"engine": "hf-transformers", "dtype": dtype, "batch": batch, "steps_per_s": statistics.median(rates),
             "tok_per_s": statistics.median(rates) * batch, "all_steps_per_s": rates}

@@ -25,6 +25,12 @@ def model_label(path: str | Path) -> str:
     return path.name
 
 
+def report_name(kind: str, model: str | Path, default_model: str | Path) -> str:
+    """`kind` for the command's default model; `kind-<model directory>` for any other, so that
+    runs on other models sit beside the default's report instead of replacing it."""
+    return kind if Path(model).resolve() == Path(default_model).resolve() else f"{kind}-{Path(model).name}"
+
+
 def cpu() -> dict[str, Any]:
     """The CPU the figures were measured on: its model name and the features Loom's kernels and
     torch's GEMMs choose paths by."""

@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(lt)
     decode_run(lt, batches=[1, 8], max_tokens=128)
     lt.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer (its venv build takes minutes)")
+    lt.add_argument("--checkpoints", type=Path, nargs="*", default=[],
+                    help="also time these checkpoints of the model, as they are (a quantized one, say)")
+    lt.add_argument("--gguf", help="llama.cpp also runs this file (or pkg:NAME's), at batch 1: the GGUF the model "
+                                   "was converted from, say; its ratio is taken against Loom's int4")
     lt.add_argument("--rounds", type=int, default=3, help="passes over all engines; results are medians over them")
     lt.set_defaults(func=_latency)
 
@@ -69,11 +73,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
     common(q, default_model="the house model")
     q.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "corpora"
-                   / "tinyshakespeare.txt", help="the text the model was trained on (its last 10%% is held out)")
-    q.add_argument("--needles", type=int, default=200, help="fresh needles per context length")
+                   / "tinyshakespeare.txt", help="text whose last 10%% is scored (the house model trained on the rest)")
+    q.add_argument("--needles", type=int, default=None,
+                   help="fresh needles per context length (default: 200 for the house model, whose format they "
+                        "are, else none)")
+    q.add_argument("--window", type=int, default=1024, help="tokens per scored window of the held-out text")
     q.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024])
     q.add_argument("--quantization", nargs="*", default=["int8", "int4"],
-                   help="also score these weight-only variants against bf16")
+                   help="also score these weight-only variants against bf16 (fp32 is scored too: the noise floor)")
+    q.add_argument("--checkpoints", type=Path, nargs="*", default=[],
+                   help="also score these checkpoints of the same model against bf16 (a quantized one, say)")
     q.set_defaults(func=_quality)
 
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
@@ -206,38 +215,49 @@ def _quality(args: argparse.Namespace) -> None:
 
     from loom import LLM, SamplingParams
     from loom.bench import quality
-    from loom.bench.report import bar_plot, write_report
+    from loom.bench.report import bar_plot, report_name, write_report
     from loom.cli.generate import DEFAULT_MODEL
 
     torch.set_num_threads(args.threads)
     model = args.model or str(DEFAULT_MODEL)
     if not args.corpus.is_file():
         raise FileNotFoundError(f"{args.corpus}: corpus not found (pass --corpus)")
+    is_house = Path(model).resolve() == DEFAULT_MODEL.resolve()
+    needles = args.needles if args.needles is not None else (200 if is_house else 0)
     train_text, heldout = quality.split_corpus(args.corpus)
-    unigram = _unigram_nats_per_char(LLM(model).get_tokenizer(), train_text, heldout)
-    bf16 = LLM(model, dtype="bfloat16")
-    rows = {"bfloat16": {"nats_per_char": quality.nats_per_char(bf16, heldout)}}
-    rows["bfloat16"]["needle_accuracy"] = quality.needle_accuracy(bf16, train_text, heldout, args.contexts,
-                                                                  args.needles)
-    print(f"bf16: {rows['bfloat16']['nats_per_char']:.4f} nats/char (unigram {unigram:.4f}); "
-          f"needles {rows['bfloat16']['needle_accuracy']}", flush=True)
+    unigram = _unigram_nats_per_char(LLM(model, enforce_eager=True).get_tokenizer(), train_text, heldout)
     rng = random.Random(0)
-    lines = [l for l in heldout.split("\n") if len(l) > 20]
+    lines = [line for line in heldout.split("\n") if len(line) > 20]
     prompts = [rng.choice(lines) for _ in range(64)]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy, use_tqdm=False)]
-    for method in args.quantization:
-        llm = LLM(model, dtype="bfloat16", quantization=method, group_size=32)
+    # (label, checkpoint, dtype, quantization); the first is the reference of the others.
+    variants = [("bfloat16", model, "bfloat16", None), ("float32", model, "float32", None),
+                *((method, model, "bfloat16", method) for method in args.quantization),
+                *((path.name, str(path), "bfloat16", None) for path in args.checkpoints)]
+    rows: dict[str, dict] = {}
+    reference: list[list[int]] = []
+    for label, checkpoint, dtype, method in variants:
+        llm = LLM(checkpoint, dtype=dtype, quantization=method, group_size=32)
+        row = rows[label] = quality.heldout_loss(llm, heldout, args.window)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        rows[method] = {"nats_per_char": quality.nats_per_char(llm, heldout),
-                        "greedy_agreement_64_prompts": quality.greedy_agreement(reference, tokens)}
-        rows[method]["loss_increase_vs_bf16"] = rows[method]["nats_per_char"] / rows["bfloat16"]["nats_per_char"] - 1
-        print(f"{method}: {rows[method]['nats_per_char']:.4f} nats/char "
-              f"({rows[method]['loss_increase_vs_bf16'] * 100:+.2f}%), agreement "
-              f"{rows[method]['greedy_agreement_64_prompts']}", flush=True)
-    path = write_report("quality", {"model": model, "corpus_heldout_chars": len(heldout),
-                                    "unigram_nats_per_char": unigram, "results": rows}, args.out_dir)
-    bar_plot(path.with_suffix(".png"), "Held-out loss through the engine (lower is better)",
+        if not reference:
+            reference = tokens
+            if needles:
+                row["needle_accuracy"] = quality.needle_accuracy(llm, train_text, heldout, args.contexts, needles)
+        else:
+            row["greedy_agreement_64_prompts"] = quality.greedy_agreement(reference, tokens)
+            row["loss_increase_vs_bf16"] = row["nats_per_token"] / rows["bfloat16"]["nats_per_token"] - 1
+        if llm.get_tokenizer().chat_templates and not is_house:
+            row["chat_answers"] = quality.chat_answers(llm)
+        print(f"{label}: {row['nats_per_char']:.4f} nats/char, perplexity {row['perplexity']:.3f}"
+              + "".join(f", {k} {row[k]}" for k in ("loss_increase_vs_bf16", "greedy_agreement_64_prompts",
+                                                     "needle_accuracy") if k in row)
+              + (f", chat answers {row['chat_answers']['accuracy']:.0%}" if "chat_answers" in row else ""), flush=True)
+        del llm
+    path = write_report(report_name("quality", model, DEFAULT_MODEL),
+                        {"model": model, "corpus_heldout_chars": len(heldout), "window": args.window,
+                         "unigram_nats_per_char": unigram, "results": rows}, args.out_dir)
+    bar_plot(path.with_suffix(".png"), f"{Path(model).name}: held-out loss through the engine (lower is better)",
              ["unigram"] + [f"Loom {k}" for k in rows], [unigram] + [r["nats_per_char"] for r in rows.values()],
              "nats per character")
     print(f"wrote {path}")
@@ -269,28 +289,45 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
             rows.append(r)
-            print(f"loom {dtype} {quant or ''} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
+            print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if quant is None:
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
                 rows.append(r)
                 print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if not args.no_llamacpp:
-            from loom.bench import llamacpp
-
-            llamacpp.ensure_llamacpp_venv()
             gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_type}.gguf"
             if not gguf.is_file():
                 from loom.models.gguf import export_gguf
 
                 export_gguf(model, gguf, gguf_type)
-            prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
-            r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats)
-            r = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],
-                 "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
-            rows.append(r)
-            print(f"llama.cpp {gguf_type} batch 1: {r['tok_per_s']:.1f} tok/s", flush=True)
+            rows.append(_llamacpp_row(args, gguf, gguf_type, cfg))
+    for checkpoint in args.checkpoints:
+        for batch in args.batches:
+            r = latency.run_loom(checkpoint, "bfloat16", None, batch, args.prompt_len, args.max_tokens, args.repeats)
+            rows.append(dict(r, checkpoint=checkpoint.name))
+            print(f"loom {checkpoint.name} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
+    if args.gguf and not args.no_llamacpp:
+        from loom.models.gguf import gguf_file_type, gguf_source
+
+        source = gguf_source(args.gguf)
+        rows.append(_llamacpp_row(args, source, gguf_file_type(source), cfg, source=True))
     return rows
+
+
+def _llamacpp_row(args: argparse.Namespace, gguf: Path, gguf_type: str, cfg, source: bool = False) -> dict:
+    """llama.cpp's batch-1 decode of `gguf`, as a row of latency.json."""
+    from loom.bench import latency, llamacpp
+
+    prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
+    r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats)
+    row = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],
+           "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
+    if source:
+        row["source_file"] = gguf.name
+    print(f"llama.cpp {gguf_type}{' (' + gguf.name + ')' if source else ''} batch 1: {row['tok_per_s']:.1f} tok/s",
+          flush=True)
+    return row
 
 
 ENGINE_LABELS = {"loom": "Loom", "hf-transformers": "HF", "llama.cpp": "llama.cpp"}
@@ -301,7 +338,8 @@ def _latency_ratios(rows: list[dict]) -> dict[str, float]:
     quantized over bf16."""
     def rate(engine: str, dtype: str, batch: int, quant: str | None = None) -> float | None:
         for r in rows:
-            if (r["engine"], r["dtype"], r["batch"], r.get("quantization")) == (engine, dtype, batch, quant):
+            if (r["engine"], r["dtype"], r["batch"], r.get("quantization")) == (engine, dtype, batch, quant) \
+                    and not {"checkpoint", "source_file"} & r.keys():
                 return r["tok_per_s"]
         return None
 
@@ -319,14 +357,23 @@ def _latency_ratios(rows: list[dict]) -> dict[str, float]:
                 q, bf16 = rate("loom", dtype, batch, quant), rate("loom", "bfloat16", batch)
                 if q and bf16:
                     ratios[f"batch {batch}: {quant} / bf16"] = q / bf16
+    source = next((r for r in rows if "source_file" in r), None)
+    if source:  # the file the model came from: against Loom's int4 and each checkpoint given
+        theirs = f"llama.cpp {source['dtype']} ({source['source_file']})"
+        mine = [("int4", rate("loom", "bfloat16", 1, "int4"))] + [
+            (r["checkpoint"], r["tok_per_s"]) for r in rows if "checkpoint" in r and r["batch"] == 1]
+        for name, loom1 in mine:
+            if loom1:
+                ratios[f"batch 1: {name} / {theirs}"] = loom1 / source["tok_per_s"]
     return ratios
 
 
 def _latency(args: argparse.Namespace) -> None:
     from loom.bench import latency
-    from loom.bench.report import write_report
-    from loom.models.config import ModelConfig
     from loom.bench.calibrate import memory_bandwidth
+    from loom.bench.report import report_name, write_report
+    from loom.models.config import ModelConfig
+    from loom.models.reference import reference_model_dir
 
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
@@ -348,7 +395,8 @@ def _latency(args: argparse.Namespace) -> None:
                    steps_per_s=statistics.median(r["steps_per_s"] for r in samples),
                    all_steps_per_s=[x for r in samples for x in r["all_steps_per_s"]],
                    tok_per_s_rounds=[r["tok_per_s"] for r in samples])
-        if first["engine"] != "llama.cpp":  # its weights' bytes per step are not Loom's
+        # llama.cpp's weights' bytes per step are not Loom's; a checkpoint's format is its own
+        if first["engine"] != "llama.cpp" and "checkpoint" not in first:
             row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
                                      args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak)
         rows.append(row)
@@ -356,16 +404,23 @@ def _latency(args: argparse.Namespace) -> None:
     ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}
               for k in per_round[0]}
     for r in rows:
-        print(f"{r['engine']} {r.get('quantization') or r['dtype']} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
+        print(f"{r['engine']} {_variant(r)} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
               + (f", MBU {r['mbu']:.2f}" if "mbu" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
-    path = write_report("latency", {"model": str(model), "prompt_len": args.prompt_len,
+    path = write_report(report_name("latency", model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
                                     "peak_read_GBps": peak / 1e9, "peak_read_GBps_rounds": [p / 1e9 for p in peaks],
                                     "results": rows, "ratios": ratios}, args.out_dir)
     latency_plot(path.with_suffix(".png"), rows, args.prompt_len, args.threads)
     print(f"wrote {path}")
+
+
+def _variant(row: dict) -> str:
+    """What a latency row ran: a checkpoint's name, the quantization, or the dtype (and file)."""
+    if "source_file" in row:
+        return f"{row['dtype']} ({row['source_file']})"
+    return row.get("checkpoint") or row.get("quantization") or row["dtype"]
 
 
 def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int) -> None:
@@ -374,7 +429,7 @@ def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int) ->
 
     batch1 = [r for r in rows if r["batch"] == 1]
     bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads",
-             [f"{ENGINE_LABELS[r['engine']]}\n{r.get('quantization') or r['dtype']}" for r in batch1],
+             [f"{ENGINE_LABELS[r['engine']]}\n{_variant(r)}" for r in batch1],
              [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
 
 

@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("dst", type=Path, metavar="DST_DIR", nargs="?",
                    help="output directory (default: Loom's cache, models/<file name up to its first dot>)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the dequantized weights")
+    g.add_argument("--int4", action="store_true",
+                   help="write Loom's int4 checkpoint instead: Q4_0/Q4_1 weights keep their 4-bit codes, other "
+                        "linear layers stay in --dtype; transformers cannot load it")
     g.set_defaults(func=_gguf)
 
 
@@ -29,8 +32,14 @@ def _llama2c(args: argparse.Namespace) -> None:
 
 def _gguf(args: argparse.Namespace) -> None:
     from loom.config import resolve_dtype
-    from loom.models.gguf import convert_gguf, default_destination, gguf_source
+    from loom.models.gguf import convert_gguf, convert_gguf_int4, default_destination, gguf_source
 
     src = gguf_source(args.src)
-    dst = convert_gguf(src, args.dst or default_destination(src), resolve_dtype(args.dtype))
-    print(f"wrote {dst} from {src.name}")
+    dst = args.dst or default_destination(src)
+    if not args.int4:
+        convert_gguf(src, dst, resolve_dtype(args.dtype))
+        print(f"wrote {dst} from {src.name}")
+        return
+    kept = convert_gguf_int4(src, dst, resolve_dtype(args.dtype))
+    print(f"wrote {dst} (int4) from {src.name}"
+          + (f"; left in {args.dtype} (no 4-bit codes in the file): {', '.join(kept)}" if kept else ""))

