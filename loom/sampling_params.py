@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20        # top-N logprobs a request may ask for (per token)
@@ -13,6 +15,15 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # every output holds everything generated so far
     DELTA = "delta"            # every output holds what is new since the last one
     FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+_FIELD_KINDS = {
+    "n": "int", "temperature": "real", "top_k": "int", "top_p": "real", "min_p": "real",
+    "repetition_penalty": "real", "presence_penalty": "real", "frequency_penalty": "real", "seed": "int?",
+    "max_tokens": "int", "min_tokens": "int", "stop": "strs", "stop_token_ids": "ints",
+    "include_stop_str_in_output": "bool", "ignore_eos": "bool", "logprobs": "int?", "prompt_logprobs": "int?",
+    "skip_special_tokens": "bool", "output_kind": "kind",
+}
 
 
 @dataclass
@@ -40,6 +51,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         checks = [
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n),
@@ -67,6 +79,27 @@ class SamplingParams:
         for ok, name, rule, value in checks:
             if not ok:
                 raise ValueError(f"{name}: {rule}, got {value!r}")
+
+    def _check_types(self) -> None:
+        """Every field's type, before any range check compares it: a float top_k or a string
+        seed is refused here rather than failing later inside a step."""
+        def is_int(v: object) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_real(v: object) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        kinds = {"int": (is_int, "an int"), "int?": (lambda v: v is None or is_int(v), "an int or None"),
+                 "real": (is_real, "a finite number"), "bool": (lambda v: isinstance(v, bool), "a bool"),
+                 "strs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+                          "a list of strings"),
+                 "ints": (lambda v: isinstance(v, (list, tuple)) and all(is_int(x) for x in v), "a list of ints"),
+                 "kind": (lambda v: isinstance(v, RequestOutputKind), "a RequestOutputKind")}
+        for name, kind in _FIELD_KINDS.items():
+            ok, what = kinds[kind]
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"{name}: must be {what}, got {value!r}")
 
     @property
     def greedy(self) -> bool:

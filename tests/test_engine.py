@@ -1,12 +1,15 @@
 """Engine behaviour: prefix caching, chunked prefill, preemption, stats, bad input, no leaks."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from loom import LLM, InvalidRequestsError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 
 
 def _workload(seed: int = 0, vocab: int = 256) -> list[dict]:
@@ -112,18 +115,6 @@ def test_seeded_sampling_reproducible_across_batches(gqa_dir):
     assert different != alone
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(min_p=2.0), "min_p"),
-])
-def test_bad_sampling_params(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
-
-
 def test_bad_prompts_rejected_others_complete(gqa_dir, baseline):
     llm = LLM(str(gqa_dir), max_model_len=128)
     good = _workload()
@@ -145,6 +136,40 @@ def test_bad_prompts_rejected_others_complete(gqa_dir, baseline):
     completed = [o.outputs[0].token_ids for i, o in enumerate(e.outputs) if i not in bad]
     assert completed == baseline
     _assert_no_leak(llm)
+
+
+def test_untokenizable_prompt_rejected_others_complete():
+    """A lone surrogate (a JSON body can carry one as an escape) makes the tokenizers library
+    raise TypeError: that prompt alone is rejected, as a ValueError naming it."""
+    llm = LLM(str(HOUSE))
+    prompts = ["ROMEO:", "\udcff abc", "JULIET:"]
+    with pytest.raises(InvalidRequestsError) as err:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert list(err.value.errors) == [1] and "cannot be tokenized" in str(err.value.errors[1])
+    alone = llm.generate([prompts[0], prompts[2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in err.value.outputs if o] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_failed_step_ends_its_requests_and_the_engine_goes_on(gqa_dir, baseline, caplog):
+    """A step that raises ends the requests it ran with finish_reason "error" and frees their
+    blocks; requests that were waiting, and later calls, run as if nothing happened."""
+    llm = LLM(str(gqa_dir), max_num_seqs=2)
+    execute, calls = llm.engine.runner.execute, []
+
+    def fail_once(batch):
+        calls.append(len(batch.seqs))
+        if len(calls) == 3:
+            raise RuntimeError("kernel fault")
+        return execute(batch)
+
+    llm.engine.runner.execute = fail_once
+    outs = llm.generate(_workload(), GREEDY, use_tqdm=False)
+    failed = [i for i, o in enumerate(outs) if o.outputs[0].finish_reason == "error"]
+    assert len(failed) == calls[2] and "kernel fault" in caplog.text
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i not in failed] == \
+        [t for i, t in enumerate(baseline) if i not in failed]
+    _assert_no_leak(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(_workload(), GREEDY, use_tqdm=False)] == baseline
 
 
 def test_text_prompt_without_tokenizer_is_clear_error(gqa_dir):

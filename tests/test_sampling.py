@@ -225,6 +225,22 @@ def test_incremental_detokenizer_holds_back_split_characters(text_model):
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(presence_penalty=3), "presence_penalty"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(min_p=2.0), "min_p"),
+    # types, checked before ranges
+    (dict(top_k=2.5), "top_k: must be an int"),
+    (dict(seed="abc"), "seed: must be an int or None"),
+    (dict(n=True), "n: must be an int"),
+    (dict(max_tokens=None), "max_tokens: must be an int"),
+    (dict(temperature=float("nan")), "temperature: must be a finite number"),
+    (dict(top_p="0.5"), "top_p: must be a finite number"),
+    (dict(ignore_eos=1), "ignore_eos: must be a bool"),
+    (dict(stop=["a", 3]), "stop: must be a list of strings"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids: must be a list of ints"),
+    (dict(logprobs=2.0), "logprobs: must be an int or None"),
 ])
 def test_bad_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

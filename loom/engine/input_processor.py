@@ -36,13 +36,16 @@ class InputProcessor:
             raise ValueError(f"prompt: {self.config.model} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
         if not prompt:
             raise ValueError("prompt: empty prompt")
-        return prompt, self.tokenizer.encode(prompt)
+        try:
+            return prompt, self.tokenizer.encode(prompt)
+        except Exception as error:  # the tokenizers library raises TypeError for a lone surrogate, say
+            raise ValueError(f"prompt: cannot be tokenized ({type(error).__name__}: {error})") from error
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.config.max_model_len, self.config.model_config.vocab_size
         if not token_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(token_ids) >= max_len:

@@ -8,17 +8,20 @@ while a step runs: they only queue, and the next step takes the queue in.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 from loom.config import EngineConfig
 from loom.engine.input_processor import InputProcessor, Prompt
 from loom.engine.model_runner import ModelRunner
-from loom.engine.scheduler import Scheduler
+from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Request
 from loom.engine.stop_checker import StopChecker
 from loom.kv.block_manager import BlockManager
 from loom.outputs import EngineStats, RequestOutput
 from loom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -74,12 +77,24 @@ class LLMEngine:
         changed = self._take_queued()
         batch = self.scheduler.schedule()
         if batch.seqs:
-            results = self.runner.execute(batch)
-            changed += self.scheduler.postprocess(batch, results)
+            try:
+                results = self.runner.execute(batch)
+                changed += self.scheduler.postprocess(batch, results)
+            except Exception:
+                changed += self._fail(batch)
         outputs = self._outputs(changed)
         if not batch.seqs and (self.scheduler.has_unfinished() or self._lost_requests()):
             raise RuntimeError("scheduler made no progress with requests pending")  # a bookkeeping bug
         return outputs
+
+    def _fail(self, batch: ScheduledBatch) -> list[Request]:
+        """A step raised (a kernel fault, a bug): its requests end with finish_reason "error"
+        and free their blocks; the others, and later steps, go on."""
+        logger.exception("engine step failed; its requests end with finish_reason 'error'")
+        failed = list({id(seq.request): seq.request for seq in batch.seqs}.values())
+        for request in failed:
+            self.scheduler.abort(request, reason="error")
+        return failed
 
     def _lost_requests(self) -> bool:
         """Whether a request the scheduler was given is unfinished yet no longer scheduled."""

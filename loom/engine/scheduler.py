@@ -63,15 +63,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def abort(self, request: Request) -> None:
-        """Takes every unfinished sequence of the request out of its queue, freeing its KV."""
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        """Takes every unfinished sequence of the request out of its queue, freeing its KV, and
+        finishes them with `reason`."""
         queues = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
                   SequenceStatus.SWAPPED: self.swapped}
         for seq in request.seqs:
             if seq.status in queues:
                 queues[seq.status].remove(seq)
                 self.block_manager.free(seq.kv)
-        request.abort()
+        request.abort(reason)
 
     # ---- which sequences run ----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

@@ -178,11 +178,13 @@ class Request:
         self.seqs.append(child)
         return child
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort") -> None:
+        """Ends every unfinished sequence with `reason`: "abort" (the caller's), or "error" (a
+        step that raised)."""
         self.aborted = True
         for seq in self.seqs:
             if not seq.is_finished:
-                seq.finish("abort")
+                seq.finish(reason)
 
     def output(self) -> RequestOutput | None:
         """What the caller sees now, by the request's output kind; None when nothing is due."""
