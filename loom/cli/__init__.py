@@ -13,6 +13,7 @@ import sys
 # Modules that contribute subcommands, in the order they appear in `loom --help`.
 _COMMAND_MODULES = [
     "loom.cli.generate",   # generate, chat
+    "loom.cli.serve",      # serve
     "loom.cli.convert",    # convert
     "loom.cli.quantize",   # quantize
     "loom.cli.bench",      # bench

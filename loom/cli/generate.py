@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
     # One prompt at a time: compiling decode steps costs 10-30 s once and saves about 1 ms a
     # token, so it pays only for long sessions.
     p.add_argument("--compile", action="store_true", help="compile decode steps (torch.compile) before generating")
@@ -32,12 +35,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     add_engine_args(gen)
+    _add_compile_arg(gen)
     add_sampling_args(gen)
     gen.add_argument("prompt")
     gen.set_defaults(func=_generate)
 
     chat = subparsers.add_parser("chat", help="chat interactively (the model's chat template)")
     add_engine_args(chat)
+    _add_compile_arg(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=_chat)
 

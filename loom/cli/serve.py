@@ -1,0 +1,69 @@
+"""`loom serve`: the OpenAI-compatible HTTP server (loom/server/app.py) on uvicorn.
+
+The port opens at once and `/health` answers "starting" while the model loads and its decode
+steps compile; then "ok". SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish
+for up to --shutdown-timeout seconds, then aborts the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+from loom.cli.generate import add_engine_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--served-model-name", help="the name clients ask for (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LOOM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $LOOM_API_KEY, else none)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
+    p.add_argument("--max-num-queued-requests", type=int, default=256,
+                   help="requests waiting beyond those; more get 429 with Retry-After")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: sized by Loom)")
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="never compile decode steps")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import uvicorn
+
+    from loom import LLM
+    from loom.engine.async_llm_engine import AsyncLLMEngine
+    from loom.server.app import ServerConfig, build_app
+
+    loaded: dict[str, object] = {}
+    config = ServerConfig(model_name=args.served_model_name or Path(args.model).resolve().name,
+                          api_key=args.api_key, max_queued_requests=args.max_num_queued_requests)
+    server = uvicorn.Server(uvicorn.Config(build_app(config, lambda: loaded.get("engine")), host=args.host,
+                                           port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
+                                           log_level="info"))
+
+    def load() -> None:
+        try:
+            llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                      quantization=args.quantization, enforce_eager=True if args.enforce_eager else None)
+            loaded["engine"] = AsyncLLMEngine(llm.engine)
+            print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
+        except BaseException as error:  # reported by the main thread once the server stops
+            loaded["error"] = error
+            server.should_exit = True
+
+    threading.Thread(target=load, name="loom-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine = loaded.get("engine")
+        if isinstance(engine, AsyncLLMEngine):
+            engine.shutdown(timeout=5)
+    if "error" in loaded:
+        raise loaded["error"]  # type: ignore[misc]

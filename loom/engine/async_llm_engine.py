@@ -1,0 +1,148 @@
+"""The engine for asyncio servers: `LLMEngine` steps on a thread of its own, so the event loop
+never waits for the model, and each request's outputs arrive on a stream of its own.
+
+A request is added from any coroutine (`add_request`, or `generate`), validated on the caller's
+side (a bad one raises ValueError before anything is queued), and aborted when its stream is
+closed unfinished: a cancelled task, a client gone. The step thread sleeps while there is
+nothing to do.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from loom.engine.input_processor import Prompt
+from loom.engine.llm_engine import LLMEngine
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step thread stopped (shut down, or a failure outside any request's step)."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()  # guards _streams and _dead
+        # request id -> (the loop its consumer runs on, its queue of outputs or one exception)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._dead: BaseException | None = None
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet finished."""
+        with self._lock:
+            return len(self._streams)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
+        """Validates and queues a request (a bad one raises ValueError and queues nothing);
+        returns the stream of its outputs. Must be called on the event loop that reads it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError("the engine has stopped") from self._dead
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except BaseException:
+            self._forget(request_id)
+            raise
+        self._wakeup.set()
+        return RequestStream(self, request_id, queue)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """`add_request`, then its outputs; leaving the iteration early aborts the request."""
+        with self.add_request(prompt, params, request_id) as stream:
+            async for output in stream:
+                yield output
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._wakeup.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops the step thread after its current step; waiting consumers get EngineDeadError."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    # ---- the step thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+            error: BaseException = EngineDeadError("the engine was shut down")
+        except BaseException as exc:  # a failure outside any request's step: nothing can go on
+            logger.exception("the engine loop stopped")
+            error = exc
+        with self._lock:
+            self._dead = error
+            streams = list(self._streams)
+        for request_id in streams:
+            self._deliver(request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:  # None: its consumer left, and the abort is on its way
+            loop, queue = stream
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+
+class RequestStream:
+    """One request's outputs, in order (what each holds follows its `output_kind`); the last has
+    `finished` set. Closing the stream before then (leaving its `with` block, however) aborts
+    the request, which frees its blocks."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise EngineDeadError("the engine has stopped") from item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        self.engine._forget(self.request_id)
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

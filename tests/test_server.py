@@ -1,0 +1,371 @@
+"""The OpenAI-compatible server: the official `openai` client and raw bodies against a real
+HTTP server on a free port, compared with the offline engine; disconnects, limits and bad
+input."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loom import LLM, SamplingParams
+from loom.engine.async_llm_engine import AsyncLLMEngine
+from loom.server.app import ServerConfig, build_app
+
+HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "What is the secret number of JULIET?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadedServer:
+    """`loom serve`'s app and engine on uvicorn, in this process (so tests can look at the
+    engine's state), on a free loopback port."""
+
+    def __init__(self, llm: LLM, **config: object) -> None:
+        import uvicorn
+
+        self.engine = AsyncLLMEngine(llm.engine)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_app(ServerConfig(model_name="house", **config), lambda: self.engine)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    def idle(self, timeout: float = 2.0) -> bool:
+        """Whether every request has ended and every block is back in the pool within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine.num_requests == 0 and not self.engine.engine.has_unfinished_requests():
+                stats = self.engine.engine.stats()
+                if stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown(5)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(str(HOUSE), max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ThreadedServer(LLM(str(HOUSE), max_num_seqs=32))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+# ---- the openai client ----------------------------------------------------------------------------
+def test_completions_equal_offline_streamed_or_not(client, offline):
+    want = [o.outputs[0].text for o in offline.generate(PROMPTS, greedy(), use_tqdm=False)]
+    batch = client.completions.create(model="house", prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == want
+    assert batch.usage.completion_tokens == 24 * len(PROMPTS)
+    assert batch.usage.prompt_tokens == sum(len(offline.get_tokenizer().encode(p)) for p in PROMPTS)
+    for prompt, text in zip(PROMPTS, want):
+        chunks = list(client.completions.create(model="house", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_equals_offline_streamed_or_not(client, offline):
+    messages = [{"role": "user", "content": "Who is JULIET?"}]
+    want = offline.chat(messages, greedy(32), use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model="house", messages=messages, max_tokens=32, temperature=0)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == want.finish_reason
+    chunks = list(client.chat.completions.create(model="house", messages=messages, max_tokens=32, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+def test_n_seed_stop_and_logprobs(client, offline):
+    kw = dict(model="house", prompt="ROMEO:", max_tokens=16, temperature=1.0, seed=7)
+    first, again = (client.completions.create(n=3, **kw) for _ in range(2))
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    want = offline.generate("ROMEO:", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16), use_tqdm=False)
+    assert sorted(c.text for c in first.choices) == sorted(o.text for o in want[0].outputs)
+
+    plain = client.completions.create(model="house", prompt="ROMEO:", max_tokens=24, temperature=0).choices[0].text
+    stop = plain.split()[1]
+    stopped = client.completions.create(model="house", prompt="ROMEO:", max_tokens=24, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == plain[:plain.index(stop)] and stopped.choices[0].finish_reason == "stop"
+
+    got = client.completions.create(model="house", prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=3)
+    ref = offline.generate("ROMEO:", greedy(8, logprobs=3), use_tqdm=False)[0].outputs[0]
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)], abs=1e-4)
+    assert "".join(lp.tokens) == got.choices[0].text and lp.text_offset[0] == 0
+
+    chat = client.chat.completions.create(model="house", messages=[{"role": "user", "content": "Speak."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_models_tokenize_detokenize(server, offline):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["house"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "ROMEO: speak"}).json()
+    assert ids["tokens"] == offline.get_tokenizer().encode("ROMEO: speak") and ids["count"] == len(ids["tokens"])
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text.endswith("ROMEO: speak")
+
+
+# ---- request bodies as vLLM's `bench serve` sends them -------------------------------------------
+def test_bench_serve_bodies(server):
+    body = {"model": "house", "prompt": "ROMEO:", "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 20,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 20 and usage["prompt_tokens"] == 3
+
+    chat = {"model": "house", "messages": [{"role": "user", "content": [{"type": "text", "text": "Speak."}]}],
+            "temperature": 0.0, "max_completion_tokens": 12, "stream": False, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_concurrent_streams_equal_offline(server, offline):
+    prompts = [f"{name}:" for name in ("ROMEO", "JULIET", "MERCUTIO", "TYBALT")] * 8
+    want = [o.outputs[0].text for o in offline.generate(prompts, greedy(20, ignore_eos=True), use_tqdm=False)]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True, "ignore_eos": True}
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        return text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == want
+    assert server.idle()
+
+
+# ---- clients that leave ---------------------------------------------------------------------------
+def test_disconnected_clients_free_their_blocks(server):
+    long = {"prompt": "ROMEO:", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def leave_mid_stream(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # closes the connection with the answer half sent
+
+    async def leave_while_waiting(client: httpx.AsyncClient) -> None:
+        try:
+            await client.post("/v1/completions", json=long, timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+
+    async def all_of_them() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await asyncio.gather(*(leave_mid_stream(client) for _ in range(16)),
+                                 *(leave_while_waiting(client) for _ in range(16)))
+
+    asyncio.run(all_of_them())
+    assert server.idle(timeout=10), server.engine.engine.stats()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+HOSTILE = [
+    ({"prompt": "x", "top_k": 2.5}, "top_k"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": "x", "n": 10000, "temperature": 1}, "n"),
+    ({"prompt": "x", "logprobs": 1000}, "logprobs"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "\udcff abc"}, "prompt"),
+    ({"prompt": [1, 2, 10**9]}, "prompt_token_ids"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x " * 5000}, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, param", HOSTILE)
+def test_bad_completions_get_openai_errors(server, body, param):
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["code"] == r.status_code
+
+
+@pytest.mark.parametrize("content", [b"{bad json", b"\xff\xfe{}", b"[1, 2]", b'"text"'])
+def test_malformed_bodies(server, content):
+    r = httpx.post(f"{server.url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_bad_chat_and_huge_body(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "' + b"x" * (20 << 20) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "body" in r.json()["error"]["message"]
+    # after all that, the server is healthy and right
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert server.idle()
+
+
+def test_chat_without_template_is_refused(hf_models):
+    """A checkpoint with a tokenizer but no chat template: 400, never a plain join."""
+    model_dir, _ = hf_models("llama_gqa")
+    s = ThreadedServer(LLM(str(model_dir)))
+    try:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400, r.text
+    finally:
+        s.stop()
+
+
+# ---- limits --------------------------------------------------------------------------------------
+def test_api_key_and_full_queue():
+    s = ThreadedServer(LLM(str(HOUSE), max_num_seqs=1), api_key="sesame", max_queued_requests=0)
+    try:
+        body = {"prompt": "ROMEO:", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+        assert httpx.post(f"{s.url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{s.url}/health").status_code == 200  # open: load balancers probe it
+        auth = {"Authorization": "Bearer sesame"}
+        runner, release = s.engine.engine.runner, threading.Event()
+        execute = runner.execute
+
+        def held_execute(batch):  # the one allowed request stays in flight until released
+            release.wait(30)
+            return execute(batch)
+
+        runner.execute = held_execute
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, headers=auth, timeout=60) as held:
+            while s.engine.num_requests == 0:
+                time.sleep(0.01)
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=auth)
+            assert r.status_code == 429 and r.headers["retry-after"]
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            release.set()
+            runner.execute = execute
+            assert held.status_code == 200
+        assert s.idle(timeout=10)
+        r = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, headers=auth)
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_failed_step_gives_500_and_the_server_goes_on(server):
+    runner = server.engine.engine.runner
+    execute = runner.execute
+
+    def fail(batch):
+        runner.execute = execute  # once
+        raise RuntimeError("kernel fault")
+
+    runner.execute = fail
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert server.idle()
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def test_loom_serve_starts_answers_and_stops_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--model", str(HOUSE)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        statuses = set()
+        deadline = time.monotonic() + 300
+        while "ok" not in statuses:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            try:
+                statuses.add(httpx.get(f"{url}/health", timeout=5).json()["status"])
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "house"
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Finished server process" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_health_says_starting_until_the_engine_can_serve():
+    from fastapi.testclient import TestClient
+
+    engine: dict[str, AsyncLLMEngine] = {}
+    client = TestClient(build_app(ServerConfig(model_name="house"), lambda: engine.get("engine")))
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "starting"}
+    r = client.post("/v1/completions", json={"prompt": "ROMEO:"})
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
+    engine["engine"] = AsyncLLMEngine(LLM(str(HOUSE)).engine)
+    try:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}).status_code == 200
+    finally:
+        engine["engine"].shutdown(5)
