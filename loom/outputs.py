@@ -57,3 +57,32 @@ class EngineStats:
     @property
     def kv_waste(self) -> float:
         return 1 - self.kv_slots_used / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+
+@dataclass
+class RequestMetrics:
+    """When a request reached each stage (time.monotonic() seconds), kept by the engine."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0  # over all its sequences
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # of its first sequence: "stop", "length", "abort" or "error"
+    e2e_latency: float  # arrival to finish, seconds
+    queue_time: float   # arrival to first scheduled (to finish, if it never was)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did, for metrics: the tokens it produced and the latencies it ended."""
+    num_prompt_tokens: int = 0      # prompts of the requests that got their first token
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)  # one per request that got a further token
+    finished: list[FinishedRequestStats] = field(default_factory=list)

@@ -20,6 +20,7 @@ import pytest
 from loom import LLM, SamplingParams
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
+from loom.server.metrics import Metrics
 
 HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "What is the secret number of JULIET?"]
@@ -38,10 +39,11 @@ class ThreadedServer:
     def __init__(self, llm: LLM, **config: object) -> None:
         import uvicorn
 
-        self.engine = AsyncLLMEngine(llm.engine)
+        self.metrics = Metrics("house")
+        self.engine = AsyncLLMEngine(llm.engine, on_step=self.metrics.record)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(ServerConfig(model_name="house", **config), lambda: self.engine)
+        app = build_app(ServerConfig(model_name="house", **config), lambda: self.engine, self.metrics)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -84,6 +86,18 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {"name{label=value,...}": value}, the model_name label left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
 
 
 def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
@@ -213,8 +227,51 @@ def test_disconnected_clients_free_their_blocks(server):
             await asyncio.gather(*(leave_mid_stream(client) for _ in range(16)),
                                  *(leave_while_waiting(client) for _ in range(16)))
 
-    asyncio.run(all_of_them())
-    assert server.idle(timeout=10), server.engine.engine.stats()
+    idle_usage = scrape(server.url)["loom:kv_cache_usage_perc"]
+    aborted = scrape(server.url).get("loom:request_success_total{finished_reason=abort}", 0)
+    runner = server.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(batch):  # 400 tokens take over 2 s: every client leaves before its answer ends
+        time.sleep(0.005)
+        return execute(batch)
+
+    runner.execute = slow_execute
+    try:
+        asyncio.run(all_of_them())
+    finally:
+        runner.execute = execute
+    deadline = time.monotonic() + 2
+    while scrape(server.url)["loom:kv_cache_usage_perc"] != idle_usage:
+        assert time.monotonic() < deadline, scrape(server.url)
+        time.sleep(0.05)
+    assert scrape(server.url)["loom:request_success_total{finished_reason=abort}"] - aborted == 32
+    assert server.idle(), server.engine.engine.stats()
+
+
+def test_metrics_count_what_was_served(server):
+    before = scrape(server.url)
+    bodies = [{"prompt": "ROMEO:", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+              {"prompt": "JULIET: speak", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}]
+    usage = [httpx.post(f"{server.url}/v1/completions", json=bodies[0]).json()["usage"]]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=bodies[1]) as r:
+        assert r.status_code == 200 and r.read()
+    usage.append({"prompt_tokens": len(httpx.post(f"{server.url}/tokenize", json={"prompt": "JULIET: speak"})
+                                        .json()["tokens"]), "completion_tokens": 5})
+    assert server.idle()
+    after = scrape(server.url)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew("loom:generation_tokens_total") == 12
+    assert grew("loom:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert grew("loom:request_success_total{finished_reason=length}") == 2
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert grew(f"loom:{histogram}_count") == 2, histogram
+    assert grew("loom:inter_token_latency_seconds_count") == 6 + 4  # one per token after the first
+    assert after["loom:num_requests_running"] == after["loom:num_requests_waiting"] == 0
+    assert grew("loom:prefix_cache_queries_total") >= sum(u["prompt_tokens"] for u in usage)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -358,7 +415,7 @@ def test_health_says_starting_until_the_engine_can_serve():
     from fastapi.testclient import TestClient
 
     engine: dict[str, AsyncLLMEngine] = {}
-    client = TestClient(build_app(ServerConfig(model_name="house"), lambda: engine.get("engine")))
+    client = TestClient(build_app(ServerConfig(model_name="house"), lambda: engine.get("engine"), Metrics("house")))
     r = client.get("/health")
     assert r.status_code == 503 and r.json() == {"status": "starting"}
     r = client.post("/v1/completions", json={"prompt": "ROMEO:"})

@@ -39,11 +39,13 @@ def _serve(args: argparse.Namespace) -> None:
     from loom import LLM
     from loom.engine.async_llm_engine import AsyncLLMEngine
     from loom.server.app import ServerConfig, build_app
+    from loom.server.metrics import Metrics
 
     loaded: dict[str, object] = {}
     config = ServerConfig(model_name=args.served_model_name or Path(args.model).resolve().name,
                           api_key=args.api_key, max_queued_requests=args.max_num_queued_requests)
-    server = uvicorn.Server(uvicorn.Config(build_app(config, lambda: loaded.get("engine")), host=args.host,
+    metrics = Metrics(config.model_name)
+    server = uvicorn.Server(uvicorn.Config(build_app(config, lambda: loaded.get("engine"), metrics), host=args.host,
                                            port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
                                            log_level="info"))
 
@@ -52,7 +54,7 @@ def _serve(args: argparse.Namespace) -> None:
             llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
                       quantization=args.quantization, enforce_eager=True if args.enforce_eager else None)
-            loaded["engine"] = AsyncLLMEngine(llm.engine)
+            loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record)
             print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
         except BaseException as error:  # reported by the main thread once the server stops
             loaded["error"] = error

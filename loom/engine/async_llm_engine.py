@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from loom.engine.input_processor import Prompt
 from loom.engine.llm_engine import LLMEngine
@@ -26,8 +26,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        """`on_step(engine)` runs on the step thread once at start and after every step (metrics)."""
         self.engine = engine
+        self._on_step = on_step
         self._lock = threading.Lock()  # guards _streams and _dead
         # request id -> (the loop its consumer runs on, its queue of outputs or one exception)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -85,6 +87,7 @@ class AsyncLLMEngine:
     # ---- the step thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._after_step()
             while not self._stopping:
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
@@ -92,6 +95,7 @@ class AsyncLLMEngine:
                     continue
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
+                self._after_step()
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # a failure outside any request's step: nothing can go on
             logger.exception("the engine loop stopped")
@@ -101,6 +105,13 @@ class AsyncLLMEngine:
             streams = list(self._streams)
         for request_id in streams:
             self._deliver(request_id, error)
+
+    def _after_step(self) -> None:
+        if self._on_step is not None:
+            try:
+                self._on_step(self.engine)
+            except Exception:  # an observer's failure must not stop the engine
+                logger.exception("the step observer failed")
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:

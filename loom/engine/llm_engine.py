@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 from loom.config import EngineConfig
 from loom.engine.input_processor import InputProcessor, Prompt
@@ -18,7 +19,7 @@ from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Request
 from loom.engine.stop_checker import StopChecker
 from loom.kv.block_manager import BlockManager
-from loom.outputs import EngineStats, RequestOutput
+from loom.outputs import EngineStats, FinishedRequestStats, IterationStats, RequestOutput
 from loom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._added: list[Request] = []          # since the last step
         self._aborted: list[str] = []            # since the last step
+        self.last_iteration = IterationStats()   # what the last step did (the step's thread writes it)
 
     # ---- requests (any thread) ------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
@@ -76,6 +78,10 @@ class LLMEngine:
         """One iteration; returns an output for every request with news (by its output kind)."""
         changed = self._take_queued()
         batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
         if batch.seqs:
             try:
                 results = self.runner.execute(batch)
@@ -83,6 +89,7 @@ class LLMEngine:
             except Exception:
                 changed += self._fail(batch)
         outputs = self._outputs(changed)
+        self.last_iteration = _iteration_stats(changed, time.monotonic())
         if not batch.seqs and (self.scheduler.has_unfinished() or self._lost_requests()):
             raise RuntimeError("scheduler made no progress with requests pending")  # a bookkeeping bug
         return outputs
@@ -124,3 +131,26 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
+
+
+def _iteration_stats(requests: list[Request], now: float) -> IterationStats:
+    """Tokens and latencies of the requests a step changed; updates their metrics."""
+    stats = IterationStats()
+    for request in requests:
+        m = request.metrics
+        generated = sum(len(seq.output_token_ids) for seq in request.seqs)
+        if generated > m.num_generation_tokens:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                stats.time_to_first_token.append(now - m.arrival_time)
+                stats.num_prompt_tokens += len(request.prompt_token_ids)
+            else:
+                stats.inter_token_latency.append(now - m.last_token_time)
+            stats.num_generation_tokens += generated - m.num_generation_tokens
+            m.last_token_time, m.num_generation_tokens = now, generated
+        if request.finished:
+            reason = next((s.finish_reason for s in request.seqs if s.finish_reason), "abort")
+            scheduled = m.first_scheduled_time if m.first_scheduled_time is not None else now
+            stats.finished.append(FinishedRequestStats(reason, now - m.arrival_time, scheduled - m.arrival_time,
+                                                       len(request.prompt_token_ids), m.num_generation_tokens))
+    return stats

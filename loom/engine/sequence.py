@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from loom.detokenizer import IncrementalDetokenizer
 from loom.engine.beam_search import BeamState
 from loom.kv.block_manager import SlotMap
-from loom.outputs import CompletionOutput, Logprob, RequestOutput
+from loom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
 _arrival_counter = itertools.count()
@@ -148,6 +149,7 @@ class Request:
     num_finished: int = 0  # of its n samples
     aborted: bool = False
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once, in the first
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
     def finished(self) -> bool:

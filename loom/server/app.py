@@ -17,11 +17,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loom.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
+from loom.server.metrics import Metrics
 from loom.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                   TokenizeRequest)
 
@@ -93,14 +95,37 @@ class _LimitBody:
         await error_response(413, f"request body: larger than {self.limit} bytes")(scope, receive, send)
 
 
-def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None]) -> FastAPI:
-    """The app; `engine()` is the engine once it can serve, None while it is starting."""
+class _Authorize:
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY`. (Pure
+    ASGI: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the handlers.)"""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) \
+                and dict(scope.get("headers", [])).get(b"authorization") != self.expected:
+            response = error_response(401, "authorization: a valid API key is required (Authorization: Bearer KEY)")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None], metrics: Metrics) -> FastAPI:
+    """The app; `engine()` is the engine once it can serve, None while it is starting;
+    `metrics` is what the engine's step observer records into."""
     app = FastAPI(title="Loom", description="An OpenAI-compatible server for Loom's engine")
     app.add_middleware(_LimitBody, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(_Authorize, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(_ClientGone)
+    async def _gone(_: Request, e: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -113,13 +138,6 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None])
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
-
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-        protected = request.url.path.startswith("/v1/") or request.url.path in ("/tokenize", "/detokenize")
-        if config.api_key and protected and request.headers.get("authorization") != f"Bearer {config.api_key}":
-            return error_response(401, "authorization: a valid API key is required (Authorization: Bearer KEY)")
-        return await call_next(request)
 
     def ready() -> AsyncLLMEngine:
         e = engine()
@@ -144,6 +162,10 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None])
         if engine() is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -272,17 +294,21 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     return list(await asyncio.gather(*(last(s) for s in streams)))
 
 
+class _ClientGone(Exception):
+    pass
+
+
 async def _until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result; if the client leaves first, `work` is cancelled (aborting its requests)
-    and the client gets nothing, as it is gone."""
+    """`work`'s result; if the client leaves first, `work` is cancelled (which aborts its
+    requests) and _ClientGone raised."""
     task = asyncio.ensure_future(work)
     try:
-        while not task.done():
-            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()
-                break
-        return await task
+        while True:
+            done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise _ClientGone
     finally:
         task.cancel()
 
