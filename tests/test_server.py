@@ -159,6 +159,28 @@ def test_n_seed_stop_and_logprobs(client, offline):
     assert "".join(c.token for c in content) == chat.choices[0].message.content
 
 
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_returns_the_prompts_logprobs(server, offline, max_tokens):
+    """What lm-evaluation-harness's local-completions reads for loglikelihoods: the prompt's
+    tokens, their logprobs (None for the first) and top logprobs, then max_tokens generated."""
+    prompt = "ROMEO: speak, JULIET"
+    ids = offline.get_tokenizer().encode(prompt)
+    ref = offline.generate(prompt, greedy(1, prompt_logprobs=2, logprobs=2), use_tqdm=False)[0]
+    for sent in (prompt, ids):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": sent, "max_tokens": max_tokens, "echo": True,
+                                                              "logprobs": 2, "temperature": 0}).json()
+        choice = r["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [d[t].logprob for d, t in zip(ref.prompt_logprobs[1:], ids[1:])]
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+        assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+        generated = ref.outputs[0].text if max_tokens else ""
+        assert choice["text"] == prompt + generated
+        assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]).endswith(choice["text"])  # after BOS
+
+
 def test_models_tokenize_detokenize(server, offline):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["house"]
@@ -166,6 +188,10 @@ def test_models_tokenize_detokenize(server, offline):
     assert ids["tokens"] == offline.get_tokenizer().encode("ROMEO: speak") and ids["count"] == len(ids["tokens"])
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
     assert text.endswith("ROMEO: speak")
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    tokenizer = offline.get_tokenizer()
+    assert info["eos_token"] == tokenizer.eos_token and info["vocab_size"] == tokenizer.vocab_size
+    assert info["chat_templates"] == tokenizer.chat_templates and info["model_max_length"] == 1024
 
 
 # ---- request bodies as vLLM's `bench serve` sends them -------------------------------------------
@@ -282,6 +308,7 @@ HOSTILE = [
     ({"prompt": "x", "logprobs": 1000}, "logprobs"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ({"prompt": "\udcff abc"}, "prompt"),
     ({"prompt": [1, 2, 10**9]}, "prompt_token_ids"),
     ({"prompt": []}, "prompt"),
@@ -426,3 +453,10 @@ def test_health_says_starting_until_the_engine_can_serve():
         assert client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}).status_code == 200
     finally:
         engine["engine"].shutdown(5)
+
+
+def test_chat_page_is_served(server):
+    """The page at / (its browser behaviour needs a browser; here: it is served, whole)."""
+    r = httpx.get(f"{server.url}/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert '"/v1/chat/completions"' in r.text and "stream: true" in r.text and r.text.rstrip().endswith("</html>")

@@ -13,11 +13,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +28,7 @@ from loom.server.metrics import Metrics
 from loom.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                   TokenizeRequest)
 
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # streams from /v1/chat/completions
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler checks that its client is still there
 
 
@@ -157,6 +159,10 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
             raise APIError(429, f"too many requests: {e.num_requests} in flight, at most {limit}",
                            headers={"Retry-After": "1"})
 
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(CHAT_PAGE.read_text())
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine() is None:
@@ -191,6 +197,16 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
             raise APIError(400, f"prompt: cannot be tokenized ({error})", "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": e.engine.config.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What a client needs to tokenize on its side: the tokenizer's special tokens and
+        configuration, and the chat templates by name."""
+        e = ready()
+        tokenizer = _tokenizer(e)
+        return {**{k: v for k, v in tokenizer.config.items() if k != "chat_template"},
+                **tokenizer.special_tokens, "vocab_size": tokenizer.vocab_size,
+                "model_max_length": e.engine.config.max_model_len, "chat_templates": tokenizer.chat_templates}
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         e = ready()
@@ -205,11 +221,18 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         e = ready()
         check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo: not supported yet", "echo")
         prompts = _prompts(body.prompt)
-        params = _params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
-        return await _serve(e, raw, body, prompts, params, "cmpl", _completion_choice, "text_completion")
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        if body.echo and body.stream:
+            raise APIError(400, "echo: not supported with stream", "echo")
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: must be >= 1 (0 only with echo)", "max_tokens")
+        # echo: the prompt's own tokens and logprobs come first (what lm-evaluation-harness
+        # scores loglikelihoods from); max_tokens 0 generates one token and shows none.
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = _params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
+        choice = functools.partial(_completion_choice, echo=bool(body.echo), show_generated=max_tokens > 0)
+        return await _serve(e, raw, body, prompts, params, "cmpl", choice, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
@@ -243,14 +266,14 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
             param = _field_of(error)
             raise APIError(400, str(error) if len(prompts) == 1 else f"prompt {i}: {error}", param) from None
         header = {"id": request_id, "created": int(time.time()), "model": config.model_name}
-        render = functools.partial(choice, top_n=params.logprobs or 0, token_text=_token_texts(e))
+        render = functools.partial(choice, top_n=params.logprobs or 0, token_text=_TokenTexts(e))
         if body.stream:
             return StreamingResponse(_stream(streams, header, params.n, render, kind, body.include_usage),
                                      media_type="text/event-stream")
         finals = await _until_disconnected(raw, _collect(streams))
         if any(o.finish_reason == "error" for out in finals for o in out.outputs):
             raise APIError(500, "the engine failed while running this request; the server goes on")
-        choices = [render(i * params.n + o.index, o, stream=False, first=True)
+        choices = [render(i * params.n + o.index, o, out, stream=False, first=True)
                    for i, out in enumerate(finals) for o in out.outputs]
         return {**header, "object": kind, "choices": choices, "usage": _usage(finals)}
 
@@ -275,9 +298,9 @@ def _prompts(prompt: str | list) -> list:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
-def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> Any:
+def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as error:
         raise APIError(400, str(error), _field_of(error)) from None
 
@@ -360,7 +383,7 @@ async def _stream(streams: list[RequestStream], header: dict, n: int, choice: Ca
                 if o.finish_reason == "error":
                     raise RuntimeError("the engine failed while running this request; the server goes on")
                 if o.text or o.finish_reason or first[index] or o.logprobs:
-                    choices.append(choice(index, o, stream=True, first=first[index]))
+                    choices.append(choice(index, o, out, stream=True, first=first[index]))
                     first[index] = False
             if choices:
                 yield _sse({**header, "object": chunk_kind, "choices": choices})
@@ -388,13 +411,23 @@ def _usage(finals: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _token_texts(e: AsyncLLMEngine) -> Callable[[int], str]:
-    """Each token's own text, as logprobs show it: decoded alone (so a token holding part of a
-    UTF-8 character shows U+FFFD), or `token_id:N` for a model without a tokenizer."""
-    tokenizer = e.engine.tokenizer
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+class _TokenTexts:
+    """Token text as logprobs show it: each token decoded alone (a token holding part of a UTF-8
+    character shows U+FFFD), `token_id:N` for a model without a tokenizer."""
+
+    def __init__(self, e: AsyncLLMEngine) -> None:
+        self.tokenizer = e.engine.tokenizer
+
+    def one(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt(self, token_ids: list[int]) -> str:
+        """A prompt given as ids, as text (special tokens left out, as a text prompt has them)."""
+        if self.tokenizer is None:
+            return "".join(self.one(t) for t in token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def _top(candidates: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
@@ -402,30 +435,42 @@ def _top(candidates: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]
     return [(t, lp) for t, lp in candidates.items() if lp.rank <= top_n]
 
 
-def _completion_choice(index: int, o: CompletionOutput, stream: bool, first: bool, top_n: int,
-                       token_text: Callable[[int], str]) -> dict:
-    choice = {"index": index, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
+def _completion_choice(index: int, o: CompletionOutput, request: RequestOutput, stream: bool, first: bool,
+                       top_n: int, token_text: _TokenTexts, echo: bool = False,
+                       show_generated: bool = True) -> dict:
+    """A completions choice; with `echo`, the prompt's text (and its tokens' logprobs, the
+    first being None as it has no context) before what was generated."""
+    token_ids = list(o.token_ids) if show_generated else []
+    logprobs = list(o.logprobs or []) if show_generated else []
+    text = o.text if show_generated else ""
+    if echo:
+        prompt_ids = request.prompt_token_ids
+        prompt = request.prompt if request.prompt is not None else token_text.prompt(prompt_ids)
+        text, token_ids = prompt + text, prompt_ids + token_ids
+        logprobs = list(request.prompt_logprobs or [None] * len(prompt_ids)) + logprobs
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
               "stop_reason": o.stop_reason}
-    if o.logprobs is not None:
+    if o.logprobs is not None or (echo and request.prompt_logprobs is not None):
         tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-        for token_id, candidates in zip(o.token_ids, o.logprobs):
-            text = token_text(token_id)
-            tokens.append(text)
-            token_logprobs.append(candidates[token_id].logprob)
-            top.append({token_text(t): lp.logprob for t, lp in _top(candidates, top_n)})
+        for token_id, candidates in zip(token_ids, logprobs):
+            piece = token_text.one(token_id)
+            tokens.append(piece)
+            token_logprobs.append(None if candidates is None else candidates[token_id].logprob)
+            top.append(None if candidates is None else
+                       {token_text.one(t): lp.logprob for t, lp in _top(candidates, top_n)})
             offsets.append(offset)
-            offset += len(text)
+            offset += len(piece)
         choice["logprobs"] = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                               "text_offset": offsets}
     return choice
 
 
-def _chat_choice(index: int, o: CompletionOutput, stream: bool, first: bool, top_n: int,
-                 token_text: Callable[[int], str]) -> dict:
+def _chat_choice(index: int, o: CompletionOutput, request: RequestOutput, stream: bool, first: bool, top_n: int,
+                 token_text: _TokenTexts) -> dict:
     logprobs = None
     if o.logprobs is not None:
         def entry(token_id: int, lp: Logprob) -> dict:
-            text = token_text(token_id)
+            text = token_text.one(token_id)
             return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
         logprobs = {"content": [{**entry(token_id, candidates[token_id]),
