@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,52 +20,10 @@ from loom import LLM, SamplingParams
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
+from serving import ThreadedServer, free_port, scrape
 
 HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "What is the secret number of JULIET?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ThreadedServer:
-    """`loom serve`'s app and engine on uvicorn, in this process (so tests can look at the
-    engine's state), on a free loopback port."""
-
-    def __init__(self, llm: LLM, **config: object) -> None:
-        import uvicorn
-
-        self.metrics = Metrics("house")
-        self.engine = AsyncLLMEngine(llm.engine, on_step=self.metrics.record)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(ServerConfig(model_name="house", **config), lambda: self.engine, self.metrics)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def idle(self, timeout: float = 2.0) -> bool:
-        """Whether every request has ended and every block is back in the pool within `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.engine.num_requests == 0 and not self.engine.engine.has_unfinished_requests():
-                stats = self.engine.engine.stats()
-                if stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0:
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown(5)
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +43,6 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics as {"name{label=value,...}": value}, the model_name label left out."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
 
 
 def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:

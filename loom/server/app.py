@@ -205,7 +205,8 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         tokenizer = _tokenizer(e)
         return {**{k: v for k, v in tokenizer.config.items() if k != "chat_template"},
                 **tokenizer.special_tokens, "vocab_size": tokenizer.vocab_size,
-                "model_max_length": e.engine.config.max_model_len, "chat_templates": tokenizer.chat_templates}
+                "model_max_length": e.engine.config.max_model_len, "chat_templates": tokenizer.chat_templates,
+                "chat_template": tokenizer.chat_template() if tokenizer.chat_templates else None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
