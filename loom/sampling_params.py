@@ -69,6 +69,7 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints", self.stop_token_ids),
+            (self.seed is None or -2**63 <= self.seed < 2**63, "seed", "must fit in 64 bits", self.seed),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be in [0, {MAX_LOGPROBS}]", self.logprobs),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",

@@ -254,6 +254,7 @@ HOSTILE = [
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ({"prompt": "\udcff abc"}, "prompt"),
     ({"prompt": [1, 2, 10**9]}, "prompt_token_ids"),
     ({"prompt": []}, "prompt"),
@@ -261,6 +262,40 @@ HOSTILE = [
     ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({}, "prompt"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 2}, "top_p"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "min_p": -1}, "min_p"),
+    ({"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": -1}, "n"),
+    ({"prompt": "x", "n": 2, "temperature": 0}, "n"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop"),
+    ({"prompt": "x", "stop": ["x"] * 100}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "seed": 2**70}, "seed"),
+    ({"prompt": "x", "min_tokens": 100, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [["a"]]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": 12}, "prompt"),
+    ({"prompt": [[1, 2], [3, 10**9]]}, "prompt_token_ids"),
+    ({"prompt": ["ROMEO:", ""]}, "prompt"),
+    ({"prompt": "x", "stream": "maybe"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"prompt": "x", "model": 5}, "model"),
+    ({"prompt": "x", "echo": True, "logprobs": 1000}, "logprobs"),
 ]
 
 
@@ -277,6 +312,37 @@ def test_bad_completions_get_openai_errors(server, body, param):
 def test_malformed_bodies(server, content):
     r = httpx.post(f"{server.url}/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+CHAT_HOSTILE = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 100, "temperature": 1}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "x"}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "x " * 3000}]}, "prompt"),
+    ({"messages": [{"role": "user", "content": "\udcff"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body, param", CHAT_HOSTILE)
+def test_bad_chats_get_openai_errors(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body), timeout=30,
+                   headers={"content-type": "application/json"})  # json.dumps escapes lone surrogates
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {}), ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+    ("/detokenize", {"tokens": [-1]}), ("/detokenize", {"tokens": [10**12]}), ("/detokenize", {"tokens": "abc"}),
+])
+def test_bad_tokenizer_requests(server, path, body):
+    r = httpx.post(f"{server.url}{path}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
 
 def test_bad_chat_and_huge_body(server):

@@ -26,10 +26,13 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids(config.model_config, self.tokenizer)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
+        if isinstance(prompt, dict):  # token ids, and optionally the text they came from
             if "prompt_token_ids" not in prompt:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
-            return None, list(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt: the text of a dict prompt must be a string, got {type(text).__name__}")
+            return text, list(prompt["prompt_token_ids"])
         if not isinstance(prompt, str):
             raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:

@@ -56,6 +56,19 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _param_of(loc: tuple) -> str | None:
+    """A validation error's location as the request's field path ("messages.0.content"), without
+    the body prefix and pydantic's names of the union member it tried ("str", "list[int]")."""
+    parts = []
+    for part in loc:
+        if part == "body" and not parts:
+            continue
+        if isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
 def _field_of(error: ValueError) -> str | None:
     """Loom's errors start with the field they are about: "top_k: must be ..."."""
     head, sep, _ = str(error).partition(":")
@@ -134,7 +147,7 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
             return error_response(400, f"body: not valid JSON ({first.get('ctx', {}).get('error', 'malformed')})")
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        param = _param_of(first.get("loc", ()))
         return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -231,7 +244,7 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         # echo: the prompt's own tokens and logprobs come first (what lm-evaluation-harness
         # scores loglikelihoods from); max_tokens 0 generates one token and shows none.
         prompt_logprobs = body.logprobs if body.echo else None
-        params = _params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
+        params = _params(body, 1 if max_tokens == 0 else max_tokens, body.logprobs, prompt_logprobs)
         choice = functools.partial(_completion_choice, echo=bool(body.echo), show_generated=max_tokens > 0)
         return await _serve(e, raw, body, prompts, params, "cmpl", choice, "text_completion")
 
@@ -255,6 +268,8 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
 
     async def _serve(e: AsyncLLMEngine, raw: Request, body: SamplingRequest, prompts: list, params: Any,
                      prefix: str, choice: Callable, kind: str) -> Any:
+        prompts = [_fit_context(e, _tokenized(e, p, i if len(prompts) > 1 else None), params.max_tokens)
+                   for i, p in enumerate(prompts)]
         admit(e, len(prompts))
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
@@ -297,6 +312,31 @@ def _prompts(prompt: str | list) -> list:
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": prompt}]
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+def _tokenized(e: AsyncLLMEngine, prompt: str | dict, index: int | None) -> dict:
+    """A text prompt with its token ids (the engine then keeps both)."""
+    if not isinstance(prompt, str):
+        return prompt
+    where = "prompt" if index is None else f"prompt {index}"
+    if not prompt:
+        raise APIError(400, f"{where}: empty", "prompt")
+    try:
+        return {"prompt": prompt, "prompt_token_ids": _tokenizer(e).encode(prompt)}
+    except Exception as error:  # the tokenizers library raises TypeError for a lone surrogate, say
+        raise APIError(400, f"{where}: cannot be tokenized ({type(error).__name__}: {error})", "prompt") from None
+
+
+def _fit_context(e: AsyncLLMEngine, prompt: dict, max_tokens: int) -> dict:
+    """As OpenAI's API does: a prompt and max_tokens that together exceed the context are refused
+    (the offline engine would stop at the context's end instead)."""
+    limit, size = e.engine.config.max_model_len, len(prompt["prompt_token_ids"])
+    if size >= limit:
+        raise APIError(400, f"prompt: {size} tokens, and the context holds {limit}", "prompt")
+    if size + max_tokens > limit:
+        raise APIError(400, f"max_tokens: the context holds {limit} tokens; this request asks for {size} in the "
+                            f"prompt and {max_tokens} to generate", "max_tokens")
+    return prompt
 
 
 def _params(body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
