@@ -471,3 +471,21 @@ def test_chat_page_is_served(server):
     r = httpx.get(f"{server.url}/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert '"/v1/chat/completions"' in r.text and "stream: true" in r.text and r.text.rstrip().endswith("</html>")
+
+
+@pytest.mark.parametrize("load", [["--concurrency", "4"], ["--request-rate", "50"]])
+def test_bench_serve_measures_every_request(server, tmp_path, load):
+    from loom.bench.throughput import random_workload
+    from loom.cli import main
+
+    main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load,
+          "--prompt-len", "8", "32", "--output-len", "8", "16", "--seed", "3", "--out-dir", str(tmp_path)])
+    report = json.loads((tmp_path / "serve-house.json").read_text())
+    vocab = LLM(str(HOUSE)).get_tokenizer().vocab_size  # what the bench read from /tokenizer_info
+    workload = random_workload(12, (8, 32), (8, 16), vocab, 3)
+    assert report["completed"] == 12 and report["num_errors"] == 0
+    assert report["total_output_tokens"] == sum(r.output_len for r in workload)  # ignore_eos: all of them
+    assert report["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in workload)
+    assert all(r["output_tokens"] == w.output_len for r, w in zip(report["requests"], workload))
+    assert set(report["ttft"]) == {"mean_ms", "median_ms", "p99_ms"} and (tmp_path / "serve-house.png").is_file()
+    assert server.idle()

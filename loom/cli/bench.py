@@ -1,4 +1,4 @@
-"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix`: each
+"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix | serve`: each
 writes docs/benchmarks/<name>.json and .png."""
 from __future__ import annotations
 
@@ -84,6 +84,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--checkpoints", type=Path, nargs="*", default=[],
                    help="also score these checkpoints of the same model against bf16 (a quantized one, say)")
     q.set_defaults(func=_quality)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server under load: TTFT, TPOT, ITL, throughput")
+    sv.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--model", required=True, help="the model name the server answers to")
+    sv.add_argument("--label", default=None, help="names the report: serve-<label>.json (default: the model)")
+    sv.add_argument("--num-requests", type=int, default=128)
+    load = sv.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="requests in flight at once (default: 16)")
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    sv.add_argument("--prompt-len", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
+    sv.add_argument("--output-len", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"))
+    sv.add_argument("--vocab-size", type=int, default=None,
+                    help="prompt ids are drawn below it (default: the server's /tokenizer_info)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--out-dir", type=Path, default=None)
+    sv.set_defaults(func=_serve_bench)
 
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
     common(p)
@@ -260,6 +277,39 @@ def _quality(args: argparse.Namespace) -> None:
     bar_plot(path.with_suffix(".png"), f"{Path(model).name}: held-out loss through the engine (lower is better)",
              ["unigram"] + [f"Loom {k}" for k in rows], [unigram] + [r["nats_per_char"] for r in rows.values()],
              "nats per character")
+    print(f"wrote {path}")
+
+
+def _serve_bench(args: argparse.Namespace) -> None:
+    import httpx
+
+    from loom.bench import serve
+    from loom.bench.report import bar_plot, write_report
+    from loom.bench.throughput import random_workload
+
+    vocab = args.vocab_size
+    if vocab is None:
+        try:
+            vocab = httpx.get(f"{args.base_url.rstrip('/')}/tokenizer_info", timeout=10).json()["vocab_size"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            raise ValueError("--vocab-size: the server has no /tokenizer_info to read it from; pass it") from None
+    workload = [(r.prompt_token_ids, r.output_len) for r in
+                random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)]
+    concurrency = args.concurrency if args.request_rate is None else None
+    result = serve.benchmark(args.base_url, args.model, workload, concurrency or (None if args.request_rate else 16),
+                             args.request_rate, args.seed, args.api_key)
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        figures = result[name]
+        print(f"{name.upper()}: " + (", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in figures.items())
+                                      if figures else "none"))
+    print(f"{result['completed']} of {result['num_requests']} requests in {result['duration_s']:.1f} s: "
+          f"{result['output_tok_per_s']:.1f} output tok/s, {result['request_throughput']:.2f} req/s, "
+          f"{result['num_errors']} errors")
+    path = write_report(f"serve-{args.label or args.model}", result, args.out_dir)
+    names = [f"{name.upper()}\n{stat}" for name in ("ttft", "tpot", "itl") for stat in ("median", "p99")]
+    bar_plot(path.with_suffix(".png"), f"{args.model} at {args.base_url}: {result['output_tok_per_s']:.0f} output tok/s",
+             names, [result[name].get(f"{stat}_ms", 0) for name in ("ttft", "tpot", "itl")
+                     for stat in ("median", "p99")], "milliseconds")
     print(f"wrote {path}")
 
 
