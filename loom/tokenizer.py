@@ -96,8 +96,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: the chat template refused them ({e})") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], template: str | None = None) -> list[int]:
-        text = self.apply_chat_template(messages, template=template)
+    def encode_chat(self, messages: list[dict[str, Any]], template: str | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, template=template)
         # A template that writes BOS itself must not get a second one from the post-processor.
         has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_special_tokens=not has_bos)

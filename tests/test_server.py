@@ -133,6 +133,10 @@ def test_models_tokenize_detokenize(server, offline):
     assert ids["tokens"] == offline.get_tokenizer().encode("ROMEO: speak") and ids["count"] == len(ids["tokens"])
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
     assert text.endswith("ROMEO: speak")
+    conversation = [{"role": "user", "content": "Speak."}]
+    for add in (True, False):
+        got = httpx.post(f"{server.url}/tokenize", json={"messages": conversation, "add_generation_prompt": add})
+        assert got.json()["tokens"] == offline.get_tokenizer().encode_chat(conversation, add_generation_prompt=add)
     info = httpx.get(f"{server.url}/tokenizer_info").json()
     tokenizer = offline.get_tokenizer()
     assert info["eos_token"] == tokenizer.eos_token and info["vocab_size"] == tokenizer.vocab_size

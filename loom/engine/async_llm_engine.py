@@ -115,7 +115,10 @@ class AsyncLLMEngine:
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
+            # A finished request's stream is dropped here, not only when its reader closes it:
+            # a reader that never started (a client gone before its response began) leaks nothing.
+            finished = isinstance(item, RequestOutput) and item.finished
+            stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
         if stream is not None:  # None: its consumer left, and the abort is on its way
             loop, queue = stream
             try:

@@ -199,15 +199,14 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         tokenizer = _tokenizer(e)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", "prompt")
-        try:
-            if body.messages is not None:
-                chat = ChatCompletionRequest(messages=body.messages)
-                ids = tokenizer.encode_chat(chat.conversation()) if body.add_generation_prompt else \
-                    tokenizer.encode(tokenizer.apply_chat_template(chat.conversation(), add_generation_prompt=False))
-            else:
+        if body.messages is not None:
+            conversation = ChatCompletionRequest(messages=body.messages).conversation()
+            ids = _chat_ids(tokenizer, conversation, body.add_generation_prompt is not False)
+        else:
+            try:
                 ids = tokenizer.encode(body.prompt, add_special_tokens=bool(body.add_special_tokens))
-        except (ValueError, TypeError) as error:
-            raise APIError(400, f"prompt: cannot be tokenized ({error})", "prompt") from None
+            except (ValueError, TypeError) as error:
+                raise APIError(400, f"prompt: cannot be tokenized ({error})", "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": e.engine.config.max_model_len}
 
     @app.get("/tokenizer_info")
@@ -252,12 +251,7 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         e = ready()
         check_model(body.model)
-        tokenizer = _tokenizer(e)
-        try:
-            ids = tokenizer.encode_chat(body.conversation()) if body.add_generation_prompt else tokenizer.encode(
-                tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=False))
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error) if _field_of(error) else f"messages: {error}", "messages") from None
+        ids = _chat_ids(_tokenizer(e), body.conversation(), body.add_generation_prompt is not False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # as vLLM: what the context leaves
             max_tokens = max(e.engine.config.max_model_len - len(ids), 1)
@@ -301,6 +295,15 @@ def _tokenizer(e: AsyncLLMEngine) -> Any:
     if e.engine.tokenizer is None:
         raise APIError(400, "model: this model has no tokenizer; send token ids")
     return e.engine.tokenizer
+
+
+def _chat_ids(tokenizer: Any, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The conversation through the model's chat template, tokenized; a model without a
+    template, or messages it refuses, get a 400."""
+    try:
+        return tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError) as error:
+        raise APIError(400, str(error) if _field_of(error) else f"messages: {error}", "messages") from None
 
 
 def _prompts(prompt: str | list) -> list:
