@@ -493,3 +493,23 @@ def test_bench_serve_measures_every_request(server, tmp_path, load):
     assert all(r["output_tokens"] == w.output_len for r, w in zip(report["requests"], workload))
     assert set(report["ttft"]) == {"mean_ms", "median_ms", "p99_ms"} and (tmp_path / "serve-house.png").is_file()
     assert server.idle()
+
+
+def test_model_without_tokenizer_streams_token_ids(hf_models):
+    """Token-id prompts to a model with no tokenizer: with return_token_ids (vLLM's field) every
+    chunk carries its tokens, and together they are the offline engine's."""
+    model_dir, _ = hf_models("llama_gqa")
+    llm = LLM(str(model_dir))
+    want = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(12, ignore_eos=True), use_tqdm=False)[0]
+    s = ThreadedServer(llm)
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        ids = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+        assert ids == want.outputs[0].token_ids and len(chunks) >= 12
+        plain = httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False}).json()
+        assert plain["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    finally:
+        s.stop()

@@ -1,7 +1,7 @@
 """Serving benchmark against any OpenAI-compatible server: streamed /v1/completions requests
 sent at a fixed concurrency or as Poisson arrivals, timed on the client.
 
-Per request: time to first token (TTFT: send to the first chunk with text), inter-token
+Per request: time to first token (TTFT: send to the first chunk with tokens), inter-token
 latencies (ITL: between chunks; a chunk may carry several tokens, and the gap then counts
 once), time per output token after the first (TPOT: (end - first) / (tokens - 1)) and
 end-to-end latency. Tokens are what the server's usage says (the last chunk, as
@@ -37,8 +37,9 @@ class RequestResult:
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     result = RequestResult(len(prompt))
+    # return_token_ids (vLLM's, ignored elsewhere): tokens stream even from a model without a tokenizer
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = last = time.perf_counter()
     chunks = 0
     try:
@@ -52,7 +53,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start

@@ -244,7 +244,8 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         # scores loglikelihoods from); max_tokens 0 generates one token and shows none.
         prompt_logprobs = body.logprobs if body.echo else None
         params = _params(body, 1 if max_tokens == 0 else max_tokens, body.logprobs, prompt_logprobs)
-        choice = functools.partial(_completion_choice, echo=bool(body.echo), show_generated=max_tokens > 0)
+        choice = functools.partial(_completion_choice, echo=bool(body.echo), show_generated=max_tokens > 0,
+                                   token_ids=bool(body.return_token_ids))
         return await _serve(e, raw, body, prompts, params, "cmpl", choice, "text_completion")
 
     @app.post("/v1/chat/completions")
@@ -426,7 +427,7 @@ async def _stream(streams: list[RequestStream], header: dict, n: int, choice: Ca
                 generated += len(o.token_ids)
                 if o.finish_reason == "error":
                     raise RuntimeError("the engine failed while running this request; the server goes on")
-                if o.text or o.finish_reason or first[index] or o.logprobs:
+                if o.text or o.token_ids or o.finish_reason or first[index]:  # a chunk per step with news
                     choices.append(choice(index, o, out, stream=True, first=first[index]))
                     first[index] = False
             if choices:
@@ -481,22 +482,24 @@ def _top(candidates: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]
 
 def _completion_choice(index: int, o: CompletionOutput, request: RequestOutput, stream: bool, first: bool,
                        top_n: int, token_text: _TokenTexts, echo: bool = False,
-                       show_generated: bool = True) -> dict:
+                       show_generated: bool = True, token_ids: bool = False) -> dict:
     """A completions choice; with `echo`, the prompt's text (and its tokens' logprobs, the
     first being None as it has no context) before what was generated."""
-    token_ids = list(o.token_ids) if show_generated else []
+    ids = list(o.token_ids) if show_generated else []
     logprobs = list(o.logprobs or []) if show_generated else []
     text = o.text if show_generated else ""
     if echo:
         prompt_ids = request.prompt_token_ids
         prompt = request.prompt if request.prompt is not None else token_text.prompt(prompt_ids)
-        text, token_ids = prompt + text, prompt_ids + token_ids
+        text, ids = prompt + text, prompt_ids + ids
         logprobs = list(request.prompt_logprobs or [None] * len(prompt_ids)) + logprobs
     choice = {"index": index, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
               "stop_reason": o.stop_reason}
+    if token_ids:
+        choice["token_ids"] = ids
     if o.logprobs is not None or (echo and request.prompt_logprobs is not None):
         tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-        for token_id, candidates in zip(token_ids, logprobs):
+        for token_id, candidates in zip(ids, logprobs):
             piece = token_text.one(token_id)
             tokens.append(piece)
             token_logprobs.append(None if candidates is None else candidates[token_id].logprob)

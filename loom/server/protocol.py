@@ -63,6 +63,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    return_token_ids: bool | None = False  # vLLM's: each choice (and chunk) also carries its token ids
 
 
 class TextPart(BaseModel):
