@@ -427,7 +427,7 @@ def test_failed_step_gives_500_and_the_server_goes_on(server):
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def test_loom_serve_starts_answers_and_stops_on_sigterm():
+def test_loom_serve_starts_answers_and_drains_on_sigterm():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--model", str(HOUSE)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
@@ -444,7 +444,16 @@ def test_loom_serve_starts_answers_and_stops_on_sigterm():
             time.sleep(0.2)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "house"
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM with a long stream in flight: the stream runs to its end, then the process exits
+        body = {"prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
+            lines = stream.iter_lines()
+            events.append(next(line for line in lines if line.startswith("data: ")))
+            proc.send_signal(signal.SIGTERM)
+            events += [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 1000
         # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "Finished server process" in proc.stdout.read()
