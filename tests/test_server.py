@@ -340,7 +340,7 @@ def test_bad_chats_get_openai_errors(server, body, param):
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/tokenize", {}), ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"messages": []}),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
     ("/detokenize", {"tokens": [-1]}), ("/detokenize", {"tokens": [10**12]}), ("/detokenize", {"tokens": "abc"}),
 ])

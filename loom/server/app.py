@@ -26,7 +26,7 @@ from loom.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
 from loom.server.metrics import Metrics
 from loom.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
-                                  TokenizeRequest)
+                                  TokenizeRequest, conversation)
 
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # streams from /v1/chat/completions
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler checks that its client is still there
@@ -200,8 +200,7 @@ def build_app(config: ServerConfig, engine: Callable[[], AsyncLLMEngine | None],
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            conversation = ChatCompletionRequest(messages=body.messages).conversation()
-            ids = _chat_ids(tokenizer, conversation, body.add_generation_prompt is not False)
+            ids = _chat_ids(tokenizer, conversation(body.messages), body.add_generation_prompt is not False)
         else:
             try:
                 ids = tokenizer.encode(body.prompt, add_special_tokens=bool(body.add_special_tokens))

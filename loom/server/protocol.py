@@ -87,20 +87,24 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
 
     def conversation(self) -> list[dict]:
-        """The messages as the chat template reads them: content parts joined into one text."""
-        out = []
-        for message in self.messages:
-            m = message.model_dump(exclude_none=True)
-            if isinstance(message.content, list):
-                m["content"] = "\n".join(part.text for part in message.content)
-            out.append(m)
-        return out
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template reads them: content parts joined into one text."""
+    out = []
+    for message in messages:
+        m = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            m["content"] = "\n".join(part.text for part in message.content)
+        out.append(m)
+    return out
 
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
 
