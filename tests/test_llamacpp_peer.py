@@ -81,3 +81,23 @@ def test_llamacpp_q8_0_runs(tiny_llama, tmp_path):
     gguf_path = export_gguf(model_dir, tmp_path / "tiny-q8_0.gguf", "q8_0")
     result = run_llamacpp(gguf_path, [1, 5, 9, 200], max_tokens=8, threads=2, repeats=2)
     assert len(result["generated_ids"]) == 8 and result["decode_tok_per_s"] > 0
+
+
+@peers
+def test_llama_server_serves_the_same_greedy_tokens(tiny_llama):
+    """llama.cpp's llama-server, built from the same sources and started as `loom bench serve`
+    starts it, on the f32 GGUF: its greedy tokens through /v1/completions equal transformers'."""
+    import httpx
+
+    from loom.bench.servers import launch_llama_server
+
+    model_dir, model = tiny_llama
+    prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
+    server = launch_llama_server(model_dir, "float32", parallel=2, context_per_slot=64, threads=2)
+    try:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True,
+                "n_probs": 1}
+        r = httpx.post(f"{server.url}/completion", json=body, timeout=60).json()
+        assert r["tokens"] == hf_greedy(model, prompt, 8)
+    finally:
+        server.stop()

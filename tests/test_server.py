@@ -493,7 +493,7 @@ def test_bench_serve_measures_every_request(server, tmp_path, load):
 
     main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load,
           "--prompt-len", "8", "32", "--output-len", "8", "16", "--seed", "3", "--out-dir", str(tmp_path)])
-    report = json.loads((tmp_path / "serve-house.json").read_text())
+    report = json.loads((tmp_path / "serve-house.json").read_text())["runs"][0]
     vocab = LLM(str(HOUSE)).get_tokenizer().vocab_size  # what the bench read from /tokenizer_info
     workload = random_workload(12, (8, 32), (8, 16), vocab, 3)
     assert report["completed"] == 12 and report["num_errors"] == 0
@@ -522,3 +522,13 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
         assert plain["choices"][0]["token_ids"] == want.outputs[0].token_ids
     finally:
         s.stop()
+
+
+def test_bench_serve_launches_loom_itself(tmp_path):
+    from loom.cli import main
+
+    main(["bench", "serve", "--launch", "loom", "--launch-model", str(HOUSE), "--num-requests", "6",
+          "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--out-dir", str(tmp_path)])
+    run, = json.loads((tmp_path / "serve-house.json").read_text())["runs"]
+    assert (run["server"], run["weights"], run["completed"], run["num_errors"]) == ("loom", "bfloat16", 6, 0)
+    assert run["startup_s"] > 0 and run["model"] == "house"

@@ -1,4 +1,5 @@
-"""The llama.cpp peer of `loom bench latency`, through llama-cpp-python in a venv of its own.
+"""The llama.cpp peers: llama-cpp-python in a venv of its own (`loom bench latency`), and
+llama.cpp's `llama-server` built from the same sources (`loom bench serve`).
 
 The peer lives in a separate venv because llama-cpp-python compiles llama.cpp at install time
 (a few minutes) and must not become a dependency of Loom. This file serves both sides: imported
@@ -39,19 +40,57 @@ def ensure_llamacpp_venv() -> Path:
     build = " ".join(PEER_PACKAGES) + "\n" + env["CMAKE_ARGS"] + "\n"
     if marker.is_file() and marker.read_text() == build:
         return python
-    log_path = _peer_dir() / "llamacpp-build.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
-             [str(python), "-m", "pip", "install", "--no-cache-dir", *PEER_PACKAGES]]
+    _run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)],
+                 [str(python), "-m", "pip", "install", "--no-cache-dir", *PEER_PACKAGES]],
+                _peer_dir() / "llamacpp-build.log", env, "building the llama.cpp peer venv")
+    marker.write_text(build)
+    return python
+
+
+def ensure_llama_server() -> Path:
+    """Builds (once) llama.cpp's own `llama-server` with cmake, from the llama.cpp sources inside
+    the source distribution of the peer venv's llama-cpp-python (so both peers run the same
+    llama.cpp), with the same CPU flags; returns the binary."""
+    import tarfile
+    import tempfile
+
+    python = ensure_llamacpp_venv()
+    version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    home = _peer_dir() / "llama-server"
+    binary, marker = home / "llama-server", home / ".loom-ready"
+    build = f"llama-cpp-python=={version}\n{PEER_CMAKE_ARGS}\n"
+    if binary.is_file() and marker.is_file() and marker.read_text() == build:
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "build.log"
+    with tempfile.TemporaryDirectory(dir=home) as tmp:
+        _run_logged([[str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                      f"llama-cpp-python=={version}"]], log, os.environ, "downloading llama-cpp-python's sources")
+        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as sdist:
+            sdist.extractall(tmp, filter="data")
+        source = next(Path(tmp).glob("*/vendor/llama.cpp"))
+        # static: the binary outlives the build tree
+        flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+        _run_logged([["cmake", "-S", str(source), "-B", f"{tmp}/build", *flags],
+                     ["cmake", "--build", f"{tmp}/build", "--target", "llama-server", "-j", str(os.cpu_count() or 1)]],
+                    log, os.environ, "building llama-server")
+        built = next(Path(tmp, "build").rglob("llama-server"))
+        built.replace(binary)
+    marker.write_text(build)
+    return binary
+
+
+def _run_logged(steps: list[list[str]], log_path: Path, env: dict, what: str) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         for cmd in steps:
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
-                raise RuntimeError(f"building the llama.cpp peer venv failed at `{' '.join(cmd)}`; see {log_path}")
-    marker.write_text(build)
-    return python
+                raise RuntimeError(f"{what} failed at `{' '.join(cmd)}`; see {log_path}")
 
 
 def run_llamacpp(gguf_path: Path, prompt_token_ids: list[int], max_tokens: int, threads: int, repeats: int) -> dict:

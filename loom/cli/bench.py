@@ -86,8 +86,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_quality)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server under load: TTFT, TPOT, ITL, throughput")
-    sv.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    sv.add_argument("--model", required=True, help="the model name the server answers to")
+    sv.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (or --launch)")
+    sv.add_argument("--model", help="the model name that server answers to")
+    sv.add_argument("--launch", nargs="+", choices=["loom", "llama-server"], default=None,
+                    help="start these servers on --launch-model in turn, one run each (llama-server: built "
+                         "once from llama.cpp's sources, on the same weights as GGUF)")
+    sv.add_argument("--launch-model", type=Path, default=None,
+                    help="model directory for --launch (default: the 134M random reference Llama)")
+    sv.add_argument("--weights", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16", "int8", "int4"],
+                    help="with --launch: a run per format (llama-server: f32, bf16, q8_0, q4_0)")
+    sv.add_argument("--threads", type=int, default=2, help="with --launch: threads per server")
     sv.add_argument("--label", default=None, help="names the report: serve-<label>.json (default: the model)")
     sv.add_argument("--num-requests", type=int, default=128)
     load = sv.add_mutually_exclusive_group()
@@ -281,36 +289,82 @@ def _quality(args: argparse.Namespace) -> None:
 
 
 def _serve_bench(args: argparse.Namespace) -> None:
-    import httpx
-
     from loom.bench import serve
     from loom.bench.report import bar_plot, write_report
     from loom.bench.throughput import random_workload
 
-    vocab = args.vocab_size
-    if vocab is None:
-        try:
-            vocab = httpx.get(f"{args.base_url.rstrip('/')}/tokenizer_info", timeout=10).json()["vocab_size"]
-        except (httpx.HTTPError, KeyError, ValueError):
-            raise ValueError("--vocab-size: the server has no /tokenizer_info to read it from; pass it") from None
+    if not args.launch and not (args.base_url and args.model):
+        raise ValueError("--base-url and --model: name a running server, or --launch one")
+    model_dir = None
+    if args.launch:
+        from loom.models.config import ModelConfig
+        from loom.models.reference import reference_model_dir
+
+        model_dir = args.launch_model or reference_model_dir()
+        vocab = args.vocab_size or ModelConfig.from_dir(model_dir).vocab_size
+    else:
+        vocab = args.vocab_size or _server_vocab(args.base_url)
     workload = [(r.prompt_token_ids, r.output_len) for r in
                 random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)]
-    concurrency = args.concurrency if args.request_rate is None else None
-    result = serve.benchmark(args.base_url, args.model, workload, concurrency or (None if args.request_rate else 16),
-                             args.request_rate, args.seed, args.api_key)
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        figures = result[name]
-        print(f"{name.upper()}: " + (", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in figures.items())
-                                      if figures else "none"))
-    print(f"{result['completed']} of {result['num_requests']} requests in {result['duration_s']:.1f} s: "
-          f"{result['output_tok_per_s']:.1f} output tok/s, {result['request_throughput']:.2f} req/s, "
-          f"{result['num_errors']} errors")
-    path = write_report(f"serve-{args.label or args.model}", result, args.out_dir)
-    names = [f"{name.upper()}\n{stat}" for name in ("ttft", "tpot", "itl") for stat in ("median", "p99")]
-    bar_plot(path.with_suffix(".png"), f"{args.model} at {args.base_url}: {result['output_tok_per_s']:.0f} output tok/s",
-             names, [result[name].get(f"{stat}_ms", 0) for name in ("ttft", "tpot", "itl")
-                     for stat in ("median", "p99")], "milliseconds")
+    concurrency = None if args.request_rate else (args.concurrency or 16)
+    runs = []
+    for weights, name, launch in _serve_targets(args, model_dir, concurrency):
+        server = launch()
+        try:
+            result = serve.benchmark(server.url if server else args.base_url, server.model if server else args.model,
+                                     workload, concurrency, args.request_rate, args.seed, args.api_key)
+        finally:
+            if server:
+                server.stop()
+        result.update(server=name, weights=weights, startup_s=server.startup_s if server else None)
+        runs.append(result)
+        print(f"[{name} {weights or ''}] {result['completed']} of {result['num_requests']} requests in "
+              f"{result['duration_s']:.1f} s: {result['output_tok_per_s']:.1f} output tok/s, "
+              f"{result['num_errors']} errors; " + ", ".join(
+                  f"{k.upper()} p50 {result[k].get('median_ms', 0):.1f} / p99 {result[k].get('p99_ms', 0):.1f} ms"
+                  for k in ("ttft", "tpot", "itl")), flush=True)
+    ratios = {f"{w}: loom / llama-server output tok/s": mine["output_tok_per_s"] / theirs["output_tok_per_s"]
+              for mine in runs for theirs in runs for w in [mine["weights"]]
+              if mine["server"] == "loom" and theirs["server"] == "llama-server" and theirs["weights"] == w
+              and theirs["output_tok_per_s"]}
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    label = args.label or (Path(model_dir).resolve().name if model_dir else args.model)
+    path = write_report(f"serve-{label}", {"model": str(model_dir) if model_dir else args.model,
+                                            "workload": {"num_requests": args.num_requests,
+                                                         "prompt_len": args.prompt_len, "output_len": args.output_len,
+                                                         "concurrency": concurrency,
+                                                         "request_rate": args.request_rate},
+                                            "runs": runs, "ratios": ratios}, args.out_dir)
+    bar_plot(path.with_suffix(".png"), f"Serving {label}: {args.num_requests} requests, "
+             + (f"concurrency {concurrency}" if concurrency else f"{args.request_rate} req/s"),
+             [f"{r['server']}\n{r['weights'] or ''}" for r in runs], [r["output_tok_per_s"] for r in runs],
+             "output tokens/s")
     print(f"wrote {path}")
+
+
+def _server_vocab(base_url: str) -> int:
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url.rstrip('/')}/tokenizer_info", timeout=10).json()["vocab_size"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        raise ValueError("--vocab-size: the server has no /tokenizer_info to read it from; pass it") from None
+
+
+def _serve_targets(args: argparse.Namespace, model_dir: Path | None, concurrency: int | None) -> list[tuple]:
+    """(weights, server name, a function starting it, or returning None for the running one)."""
+    from loom.bench import servers
+
+    if not args.launch:
+        return [(None, args.base_url, lambda: None)]
+    slots = concurrency or 16
+    context = args.prompt_len[1] + args.output_len[1] + 16
+    starters = {
+        "loom": lambda w: lambda: servers.launch_loom(model_dir, w, slots, args.threads),
+        "llama-server": lambda w: lambda: servers.launch_llama_server(model_dir, w, slots, context, args.threads),
+    }
+    return [(w, name, starters[name](w)) for w in args.weights for name in args.launch]
 
 
 def _unigram_nats_per_char(tokenizer, train_text: str, heldout: str) -> float:
