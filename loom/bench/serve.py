@@ -71,7 +71,9 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
 
 async def _run(base_url: str, model: str, workload: list[tuple[list[int], int]], concurrency: int | None,
                request_rate: float | None, seed: int, api_key: str | None) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=max(concurrency or len(workload), 1))
+    # A connection per request: llama.cpp's HTTP server closes a kept-alive connection after a few
+    # requests, and a request sent on it as it closes fails without an answer.
+    limits = httpx.Limits(max_connections=max(concurrency or len(workload), 1), max_keepalive_connections=0)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(concurrency or len(workload))
     rng = random.Random(seed)
