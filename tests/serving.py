@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -12,6 +13,19 @@ from loom import LLM
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
+
+
+POLL_S = 0.05
+
+
+def poll(condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether `condition` holds within about `seconds` of checking it every POLL_S (a bound on
+    waiting, counted in sleeps: nothing here measures time)."""
+    for _ in range(round(seconds / POLL_S)):
+        if condition():
+            return True
+        time.sleep(POLL_S)
+    return condition()
 
 
 def free_port() -> int:
@@ -32,21 +46,17 @@ class ThreadedServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+        assert poll(lambda: self.server.started, 30), "server did not start"
 
     def idle(self, timeout: float = 2.0) -> bool:
         """Whether every request has ended and every block is back in the pool within `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.engine.num_requests == 0 and not self.engine.engine.has_unfinished_requests():
-                stats = self.engine.engine.stats()
-                if stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0:
-                    return True
-            time.sleep(0.05)
-        return False
+        def settled() -> bool:
+            if self.engine.num_requests or self.engine.engine.has_unfinished_requests():
+                return False
+            stats = self.engine.engine.stats()
+            return stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0
+
+        return poll(settled, timeout)
 
     def stop(self) -> None:
         self.server.should_exit = True

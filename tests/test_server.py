@@ -20,7 +20,7 @@ from loom import LLM, SamplingParams
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
-from serving import ThreadedServer, free_port, scrape
+from serving import ThreadedServer, free_port, poll, scrape
 
 HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "What is the secret number of JULIET?"]
@@ -216,10 +216,7 @@ def test_disconnected_clients_free_their_blocks(server):
         asyncio.run(all_of_them())
     finally:
         runner.execute = execute
-    deadline = time.monotonic() + 2
-    while scrape(server.url)["loom:kv_cache_usage_perc"] != idle_usage:
-        assert time.monotonic() < deadline, scrape(server.url)
-        time.sleep(0.05)
+    assert poll(lambda: scrape(server.url)["loom:kv_cache_usage_perc"] == idle_usage, 2), scrape(server.url)
     assert scrape(server.url)["loom:request_success_total{finished_reason=abort}"] - aborted == 32
     assert server.idle(), server.engine.engine.stats()
 
@@ -395,8 +392,7 @@ def test_api_key_and_full_queue():
 
         runner.execute = held_execute
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, headers=auth, timeout=60) as held:
-            while s.engine.num_requests == 0:
-                time.sleep(0.01)
+            assert poll(lambda: s.engine.num_requests == 1, 30)
             r = httpx.post(f"{s.url}/v1/completions", json=body, headers=auth)
             assert r.status_code == 429 and r.headers["retry-after"]
             assert r.json()["error"]["type"] == "rate_limit_error"
@@ -433,15 +429,14 @@ def test_loom_serve_starts_answers_and_drains_on_sigterm():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        statuses = set()
-        deadline = time.monotonic() + 300
-        while "ok" not in statuses:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
             try:
-                statuses.add(httpx.get(f"{url}/health", timeout=5).json()["status"])
+                return httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+                return False
+
+        assert poll(healthy, 300)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "house"
         # SIGTERM with a long stream in flight: the stream runs to its end, then the process exits
