@@ -44,3 +44,14 @@ def test_debug_shows_the_traceback(capsys):
         main(["generate", "--model", "/nonexistent/model", "hi", "--debug"])
     with pytest.raises(FileNotFoundError):
         main(["--debug", "generate", "--model", "/nonexistent/model", "hi"])
+
+
+def test_reports_record_their_command_without_the_output_folder():
+    """A report's `command` reproduces it; where it was written is a path of that machine."""
+    from loom.bench.report import command
+    from loom.config import cache_root
+
+    assert command(["bench", "serve", "--out-dir", "/tmp/x", "--launch", "loom"]) == "loom bench serve --launch loom"
+    assert command(["bench", "prefix", "--out-dir=/a/b", "--dtype", "bfloat16"]) == "loom bench prefix --dtype bfloat16"
+    cached = cache_root() / "models" / "m"
+    assert command(["bench", "quality", "--model", str(cached)]) == "loom bench quality --model <loom cache>/models/m"

@@ -47,3 +47,20 @@ def test_swap_keeps_outputs_and_refuses_other_dtypes():
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         DenseLinear(nn.Linear(8, 8).half())
+
+
+def test_a_killed_build_s_lock_is_removed_a_running_one_s_kept(tmp_path):
+    """torch's extension loader waits forever on a lock file; one a killed build left behind
+    (older than any build takes) is removed, a fresh one (a build in progress) is not."""
+    import os
+    import time
+
+    from loom.kernels import STALE_LOCK_SECONDS, remove_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not remove_stale_lock(tmp_path)
+    lock.touch()
+    assert not remove_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert remove_stale_lock(tmp_path) and not lock.exists()

@@ -91,13 +91,40 @@ def test_llama_server_serves_the_same_greedy_tokens(tiny_llama):
 
     from loom.bench.servers import launch_llama_server
 
+    from loom.bench.serve import ServeRequest
+
     model_dir, model = tiny_llama
     prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
-    server = launch_llama_server(model_dir, "float32", parallel=2, context_per_slot=64, threads=2)
+    server = launch_llama_server(model_dir, "float32", parallel=2, context_per_slot=64, threads=2,
+                                 probe=ServeRequest(prompt, len(prompt), 1))
     try:
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True,
                 "n_probs": 1}
         r = httpx.post(f"{server.url}/completion", json=body, timeout=60).json()
         assert r["tokens"] == hf_greedy(model, prompt, 8)
+    finally:
+        server.stop()
+
+
+@peers
+def test_llama_cpp_python_server_writes_loom_s_greedy_text():
+    """llama-cpp-python's OpenAI server, started as `loom bench serve` starts it, on the house
+    model's f32 GGUF (its byte-level BPE vocabulary exported along): a text prompt's greedy
+    continuation equals Loom's."""
+    import httpx
+
+    from loom import LLM, SamplingParams
+    from loom.bench.serve import ServeRequest, request_body
+    from loom.bench.servers import launch_llama_cpp_python
+    from loom.cli.generate import DEFAULT_MODEL
+
+    want = LLM(str(DEFAULT_MODEL)).generate("ROMEO:", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                            use_tqdm=False)[0].outputs[0].text
+    request = ServeRequest("ROMEO:", 3, 16)
+    server = launch_llama_cpp_python(DEFAULT_MODEL, "float32", context=256, threads=2, probe=request)
+    try:
+        answer = httpx.post(f"{server.url}/v1/completions", json=request_body(server.model, request, stream=False),
+                            timeout=60).json()
+        assert answer["choices"][0]["text"] == want
     finally:
         server.stop()

@@ -482,21 +482,73 @@ def test_chat_page_is_served(server):
 
 
 @pytest.mark.parametrize("load", [["--concurrency", "4"], ["--request-rate", "50"]])
-def test_bench_serve_measures_every_request(server, tmp_path, load):
-    from loom.bench.throughput import random_workload
+@pytest.mark.parametrize("prompts", ["ids", "text"])
+def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
+    from loom.bench.serve import make_workload
     from loom.cli import main
 
-    main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load,
+    text = ["--tokenizer", str(HOUSE)] if prompts == "text" else []
+    main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load, *text,
           "--prompt-len", "8", "32", "--output-len", "8", "16", "--seed", "3", "--out-dir", str(tmp_path)])
     report = json.loads((tmp_path / "serve-house.json").read_text())["runs"][0]
-    vocab = LLM(str(HOUSE)).get_tokenizer().vocab_size  # what the bench read from /tokenizer_info
-    workload = random_workload(12, (8, 32), (8, 16), vocab, 3)
+    tokenizer = LLM(str(HOUSE)).get_tokenizer()  # its vocabulary is what the bench read from /tokenizer_info
+    workload = make_workload(12, (8, 32), (8, 16), 3, tokenizer.vocab_size, tokenizer if text else None)
+    assert all(isinstance(w.prompt, str if text else list) for w in workload)
     assert report["completed"] == 12 and report["num_errors"] == 0
     assert report["total_output_tokens"] == sum(r.output_len for r in workload)  # ignore_eos: all of them
-    assert report["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in workload)
+    assert report["total_input_tokens"] == sum(w.prompt_len for w in workload)
     assert all(r["output_tokens"] == w.output_len for r, w in zip(report["requests"], workload))
     assert set(report["ttft"]) == {"mean_ms", "median_ms", "p99_ms"} and (tmp_path / "serve-house.png").is_file()
     assert server.idle()
+
+
+def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
+    """A soak (--duration at a --request-rate) samples the server's resident memory and KV use
+    from /metrics while it runs, and finds the KV cache back to idle at its end."""
+    from loom.cli import main
+
+    main(["bench", "serve", "--base-url", server.url, "--model", "house", "--request-rate", "8", "--duration", "3",
+          "--prompt-len", "8", "16", "--output-len", "4", "8", "--label", "soak", "--out-dir", str(tmp_path)])
+    run, = json.loads((tmp_path / "serve-soak.json").read_text())["runs"]
+    assert run["num_requests"] > 0 and run["num_errors"] == 0
+    assert len(run["samples"]) >= 5 and all(s["rss_bytes"] > 0 and "kv_cache_usage_perc" in s for s in run["samples"])
+    assert run["kv_usage_after"] == run["kv_usage_idle"] == 0
+    assert run["rss_after_bytes"] > 0 and -0.5 < run["rss_growth_after_warmup"] < 0.5
+    assert (tmp_path / "serve-soak.png").is_file() and server.idle()
+
+
+def test_bench_text_prompts_read_back_as_their_length():
+    """Text prompts are random ids decoded: re-encoded, each is as long as the bench says, near
+    the length drawn, and the same for the same seed."""
+    from loom.bench.serve import make_workload
+
+    tokenizer = LLM(str(HOUSE)).get_tokenizer()
+    workload = make_workload(20, (64, 128), (1, 2), 7, 0, tokenizer)
+    assert workload == make_workload(20, (64, 128), (1, 2), 7, 0, tokenizer)
+    for w in workload:
+        assert len(tokenizer.encode(w.prompt)) == w.prompt_len
+        assert 64 * 0.9 <= w.prompt_len <= 128 + 1  # +1: the BOS the tokenizer adds
+
+
+def test_reference_model_borrows_a_tokenizer(tmp_path):
+    """with_tokenizer: the same weights (linked), the tokenizer's files and BOS/EOS; a tokenizer
+    larger than the model's vocabulary is refused."""
+    from loom.models.reference import with_tokenizer
+
+    model = tmp_path / "ref"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text(json.dumps({"vocab_size": 8000, "bos_token_id": 1, "eos_token_id": 2}))
+    twin = with_tokenizer(model, HOUSE)
+    assert (twin / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    assert (twin / "tokenizer.json").read_bytes() == (HOUSE / "tokenizer.json").read_bytes()
+    house = json.loads((HOUSE / "config.json").read_text())
+    config = json.loads((twin / "config.json").read_text())
+    assert config["vocab_size"] == 8000
+    assert (config["bos_token_id"], config["eos_token_id"]) == (house["bos_token_id"], house["eos_token_id"])
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    with pytest.raises(ValueError, match="do not fit"):
+        with_tokenizer(model.rename(tmp_path / "small"), HOUSE)
 
 
 def test_model_without_tokenizer_streams_token_ids(hf_models):
@@ -520,10 +572,19 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
 
 
 def test_bench_serve_launches_loom_itself(tmp_path):
+    """`--launch loom offline`: the server it starts and the same engine in-process, on the same
+    text prompts; every request served in both, the server timed to its first answer."""
     from loom.cli import main
 
-    main(["bench", "serve", "--launch", "loom", "--launch-model", str(HOUSE), "--num-requests", "6",
+    main(["bench", "serve", "--launch", "loom", "offline", "--launch-model", str(HOUSE), "--num-requests", "6",
           "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--out-dir", str(tmp_path)])
-    run, = json.loads((tmp_path / "serve-house.json").read_text())["runs"]
-    assert (run["server"], run["weights"], run["completed"], run["num_errors"]) == ("loom", "bfloat16", 6, 0)
-    assert run["startup_s"] > 0 and run["model"] == "house"
+    report = json.loads((tmp_path / "serve-house.json").read_text())
+    served, offline = report["runs"]
+    assert report["workload"]["prompts"] == "text"
+    for run, name in ((served, "loom"), (offline, "offline")):
+        assert (run["server"], run["weights"], run["completed"], run["num_errors"]) == (name, "bfloat16", 6, 0)
+    assert served["total_output_tokens"] == offline["total_output_tokens"]
+    assert [r["output_tokens"] for r in served["requests"]] == [r["output_tokens"] for r in offline["requests"]]
+    assert 0 < served["startup_s"] <= served["first_answer_s"] and served["model"] == "house"
+    assert set(report["ratios"]) == {"bfloat16: loom serve / offline engine output tok/s",
+                                     "bfloat16: loom serve / offline engine median TPOT"}

@@ -1,5 +1,5 @@
-"""The llama.cpp peers: llama-cpp-python in a venv of its own (`loom bench latency`), and
-llama.cpp's `llama-server` built from the same sources (`loom bench serve`).
+"""The llama.cpp peers: llama-cpp-python in a venv of its own (`loom bench latency`), its
+OpenAI server, and llama.cpp's `llama-server` built from the same sources (`loom bench serve`).
 
 The peer lives in a separate venv because llama-cpp-python compiles llama.cpp at install time
 (a few minutes) and must not become a dependency of Loom. This file serves both sides: imported
@@ -48,6 +48,26 @@ def ensure_llamacpp_venv() -> Path:
     return python
 
 
+def _peer_version(python: Path) -> str:
+    return subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def ensure_llama_cpp_server() -> Path:
+    """Adds (once) the `server` extra's packages to the peer venv, whose llama-cpp-python stays
+    as built (the same version is asked for); returns the venv's python."""
+    python = ensure_llamacpp_venv()
+    marker = python.parents[1] / ".loom-server-ready"
+    spec = f"llama-cpp-python[server]=={_peer_version(python)}"
+    if not (marker.is_file() and marker.read_text() == spec):
+        _run_logged([[str(python), "-m", "pip", "install", "--no-cache-dir", spec]],
+                    _peer_dir() / "llamacpp-server-install.log",
+                    dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", PEER_CMAKE_ARGS)),
+                    "installing llama-cpp-python's server")
+        marker.write_text(spec)
+    return python
+
+
 def ensure_llama_server() -> Path:
     """Builds (once) llama.cpp's own `llama-server` with cmake, from the llama.cpp sources inside
     the source distribution of the peer venv's llama-cpp-python (so both peers run the same
@@ -56,8 +76,7 @@ def ensure_llama_server() -> Path:
     import tempfile
 
     python = ensure_llamacpp_venv()
-    version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    version = _peer_version(python)
     home = _peer_dir() / "llama-server"
     binary, marker = home / "llama-server", home / ".loom-ready"
     build = f"llama-cpp-python=={version}\n{PEER_CMAKE_ARGS}\n"

@@ -14,8 +14,8 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 
 
 def model_label(path: str | Path) -> str:
-    """A model's name for reports: relative to the repository or to Loom's cache, never an
-    absolute path of the machine that ran the benchmark."""
+    """A model's (or any file's) name for reports: relative to the repository or to Loom's cache,
+    never an absolute path of the machine that ran the benchmark."""
     from loom.config import cache_root
 
     path = Path(path).resolve()
@@ -56,12 +56,20 @@ def environment() -> dict[str, Any]:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def command(argv: list[str]) -> str:
+    """The loom command that made a report, less where it was written, and with the paths it
+    names inside the repository or Loom's cache relative to them (not paths of that machine)."""
+    kept = [a for i, a in enumerate(argv) if a != "--out-dir" and (i == 0 or argv[i - 1] != "--out-dir")]
+    return "loom " + " ".join(model_label(a) if a.startswith("/") else a for a in kept
+                              if not a.startswith("--out-dir="))
+
+
 def write_report(name: str, results: dict[str, Any], out_dir: Path | None = None) -> Path:
     out_dir = out_dir or BENCH_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     if "model" in results:
         results = {**results, "model": model_label(results["model"])}
-    payload = {"benchmark": name, "command": "loom " + " ".join(sys.argv[1:]), "environment": environment(), **results}
+    payload = {"benchmark": name, "command": command(sys.argv[1:]), "environment": environment(), **results}
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

@@ -5,8 +5,13 @@ Per request: time to first token (TTFT: send to the first chunk with tokens), in
 latencies (ITL: between chunks; a chunk may carry several tokens, and the gap then counts
 once), time per output token after the first (TPOT: (end - first) / (tokens - 1)) and
 end-to-end latency. Tokens are what the server's usage says (the last chunk, as
-`stream_options.include_usage` asks), else the chunks counted. Prompts are token ids, so a
-model without a tokenizer can be measured and every server reads the same tokens.
+`stream_options.include_usage` asks), else the chunks counted.
+
+Prompts are text when the bench has the model's tokenizer (random token ids decoded, as vLLM's
+random dataset makes them; a server that takes text only can then be measured), else token
+ids, so a model without a tokenizer can be measured too. Every server of a run reads the same
+prompts. `run_offline` drives Loom's engine in-process the same way, the baseline of the
+server's own overhead.
 """
 from __future__ import annotations
 
@@ -15,9 +20,38 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
+
+from loom.tokenizer import Tokenizer
+
+
+@dataclass
+class ServeRequest:
+    prompt: str | list[int]
+    prompt_len: int  # tokens, as the model's tokenizer counts them
+    output_len: int
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+                  vocab_size: int, tokenizer: Tokenizer | None = None) -> list[ServeRequest]:
+    """Random prompts of lengths drawn from `prompt_range`: text when `tokenizer` is given (its
+    random ids decoded, re-encoded and cut to length, so the text reads back as about that many
+    tokens), else ids below `vocab_size`. Output lengths are drawn from `output_range`."""
+    rng = random.Random(seed)
+    workload = []
+    for _ in range(num_requests):
+        n, output_len = rng.randint(*prompt_range), rng.randint(*output_range)
+        if tokenizer is None:
+            workload.append(ServeRequest([rng.randrange(3, vocab_size) for _ in range(n)], n, output_len))
+            continue
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(2 * n)]  # merging on re-encoding shortens
+        text = tokenizer.decode(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:n])
+        workload.append(ServeRequest(text, len(tokenizer.encode(text)), output_len))
+    return workload
 
 
 @dataclass
@@ -35,15 +69,21 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    result = RequestResult(len(prompt))
-    # return_token_ids (vLLM's, ignored elsewhere): tokens stream even from a model without a tokenizer
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+def request_body(model: str, request: ServeRequest, stream: bool = True) -> dict:
+    """Greedy, exactly `output_len` tokens: ignore_eos (vLLM's, llama-server's) and min_tokens
+    (llama-cpp-python's way; Loom takes both); return_token_ids (vLLM's) lets tokens stream even
+    from a model without a tokenizer. Each server ignores the fields it does not know."""
+    return {"model": model, "prompt": request.prompt, "max_tokens": request.output_len,
+            "min_tokens": request.output_len, "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}), "return_token_ids": True}
+
+
+async def _one(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+    result = RequestResult(request.prompt_len)
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", "/v1/completions", json=request_body(model, request)) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -69,29 +109,45 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
     return result
 
 
-async def _run(base_url: str, model: str, workload: list[tuple[list[int], int]], concurrency: int | None,
-               request_rate: float | None, seed: int, api_key: str | None) -> tuple[list[RequestResult], float]:
+Probe = Callable[[], dict[str, float]]
+
+
+async def _run(base_url: str, model: str, workload: list[ServeRequest], concurrency: int | None,
+               request_rate: float | None, seed: int, api_key: str | None, duration: float | None,
+               probe: Probe | None, probe_every: float) -> tuple[list[RequestResult], float, list[dict]]:
     # A connection per request: llama.cpp's HTTP server closes a kept-alive connection after a few
     # requests, and a request sent on it as it closes fails without an answer.
     limits = httpx.Limits(max_connections=max(concurrency or len(workload), 1), max_keepalive_connections=0)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(concurrency or len(workload))
     rng = random.Random(seed)
+    samples: list[dict] = []
 
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits,
                                  headers=headers) as client:
-        async def gated(prompt: list[int], max_tokens: int, delay: float) -> RequestResult:
+        async def gated(request: ServeRequest, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
             async with gate:
-                return await _one(client, model, prompt, max_tokens)
+                return await _one(client, model, request)
+
+        async def sample(start: float) -> None:
+            while True:
+                samples.append({"t": time.perf_counter() - start, **await asyncio.to_thread(probe)})
+                await asyncio.sleep(probe_every)
 
         delays, t = [], 0.0
         for _ in workload:  # Poisson arrivals: exponential gaps at the request rate
+            if duration is not None and t >= duration:
+                break
             delays.append(t)
             t += rng.expovariate(request_rate) if request_rate else 0.0
         start = time.perf_counter()
-        results = await asyncio.gather(*(gated(p, n, d) for (p, n), d in zip(workload, delays)))
-        return list(results), time.perf_counter() - start
+        sampler = asyncio.create_task(sample(start)) if probe else None
+        results = await asyncio.gather(*(gated(r, d) for r, d in zip(workload, delays)))
+        elapsed = time.perf_counter() - start
+        if sampler:
+            sampler.cancel()
+        return list(results), elapsed, samples
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -102,20 +158,124 @@ def _summary(values: list[float]) -> dict[str, float]:
             "p99_ms": 1000 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]}
 
 
-def benchmark(base_url: str, model: str, workload: list[tuple[list[int], int]], concurrency: int | None = None,
-              request_rate: float | None = None, seed: int = 0, api_key: str | None = None) -> dict:
-    """Runs the workload (prompt ids, output tokens) against the server; the figures as a dict."""
-    results, duration = asyncio.run(_run(base_url.rstrip("/"), model, workload, concurrency, request_rate, seed,
-                                         api_key))
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    """Throughput and latency figures of a run's requests."""
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
     return {
-        "base_url": base_url, "model": model, "num_requests": len(results), "completed": len(done),
+        "num_requests": len(results), "completed": len(done),
         "errors": [r.error for r in results if not r.ok][:10], "num_errors": len(results) - len(done),
-        "concurrency": concurrency, "request_rate": request_rate, "duration_s": duration,
-        "request_throughput": len(done) / duration, "output_tok_per_s": output / duration,
+        "duration_s": duration, "request_throughput": len(done) / duration, "output_tok_per_s": output / duration,
         "total_input_tokens": sum(r.prompt_len for r in done), "total_output_tokens": output,
         "ttft": _summary([r.ttft for r in done]), "tpot": _summary([t for r in done if (t := r.tpot) is not None]),
         "itl": _summary([x for r in done for x in r.itl]), "e2e": _summary([r.e2e for r in done]),
         "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results],
     }
+
+
+def benchmark(base_url: str, model: str, workload: list[ServeRequest], concurrency: int | None = None,
+              request_rate: float | None = None, seed: int = 0, api_key: str | None = None,
+              duration: float | None = None, probe: Probe | None = None, probe_every: float = 10.0) -> dict:
+    """Runs the workload against the server; the figures as a dict. With `duration`, only the
+    requests arriving before it are sent; `probe` (resident memory, KV usage: whatever it reads)
+    is sampled every `probe_every` seconds while the run lasts."""
+    results, elapsed, samples = asyncio.run(_run(base_url.rstrip("/"), model, workload, concurrency, request_rate,
+                                                 seed, api_key, duration, probe, probe_every))
+    return {"base_url": base_url, "model": model, "concurrency": concurrency, "request_rate": request_rate,
+            **summarize(results, elapsed), **({"samples": samples} if probe else {})}
+
+
+def run_offline(model_dir: Path, weights: str, workload: list[ServeRequest], concurrency: int, threads: int) -> dict:
+    """The workload through Loom's engine in this process, `concurrency` requests in flight as
+    the HTTP clients keep them (the next one added when one finishes), timed like them: what
+    the server adds on top is the difference."""
+    from loom import LLM, SamplingParams
+
+    dtype, quantization = split_weights(weights)
+    llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=concurrency, num_threads=threads)
+    engine = llm.engine
+    llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    pending = list(reversed(workload))
+    inflight: dict[str, tuple[RequestResult, float]] = {}  # id -> (result, time of its last token)
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            request = pending.pop()
+            prompt = request.prompt if isinstance(request.prompt, str) else {"prompt_token_ids": request.prompt}
+            params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+            result = RequestResult(request.prompt_len)
+            inflight[engine.add_request(prompt, params)] = (result, time.perf_counter())
+            results.append(result)
+        for out in engine.step():
+            result, sent_or_last = inflight[out.request_id]
+            now, tokens = time.perf_counter(), len(out.outputs[0].token_ids)
+            if tokens > result.output_tokens:
+                if result.output_tokens == 0:
+                    result.ttft = now - sent_or_last
+                    result.e2e = result.ttft  # e2e accumulates from the send: ttft + the gaps after
+                else:
+                    result.itl.append(now - sent_or_last)
+                    result.e2e += now - sent_or_last
+                result.output_tokens = tokens
+                inflight[out.request_id] = (result, now)
+            if out.finished:
+                result.ok = out.outputs[0].finish_reason == "length"
+                result.error = "" if result.ok else f"finished with {out.outputs[0].finish_reason}"
+                del inflight[out.request_id]
+    return {"base_url": None, "model": str(model_dir), "concurrency": concurrency, "request_rate": None,
+            **summarize(results, time.perf_counter() - start)}
+
+
+def ratios(runs: list[dict]) -> dict[str, float]:
+    """Loom's server against each peer (output tok/s) and against its own engine offline (output
+    tok/s and median TPOT), for each weight format."""
+    ratios = {}
+    for mine in (r for r in runs if r["server"] == "loom"):
+        w = mine["weights"]
+        for other in (r for r in runs if r["weights"] == w and r["server"] not in ("loom", "offline")):
+            if other["output_tok_per_s"]:
+                ratios[f"{w}: loom / {other['server']} output tok/s"] = \
+                    mine["output_tok_per_s"] / other["output_tok_per_s"]
+        for offline in (r for r in runs if r["weights"] == w and r["server"] == "offline"):
+            ratios[f"{w}: loom serve / offline engine output tok/s"] = \
+                mine["output_tok_per_s"] / offline["output_tok_per_s"]
+            if mine["tpot"] and offline["tpot"]:
+                ratios[f"{w}: loom serve / offline engine median TPOT"] = \
+                    mine["tpot"]["median_ms"] / offline["tpot"]["median_ms"]
+    return ratios
+
+
+def split_weights(weights: str) -> tuple[str, str | None]:
+    """A weight format as (dtype, quantization): float32, bfloat16, or int8 / int4 over bf16."""
+    return (weights, None) if weights in ("float32", "bfloat16") else ("bfloat16", weights)
+
+
+def soak_plot(path: Path, title: str, runs: list[dict]) -> None:
+    """Resident memory and KV usage of each soaked server over the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loom.bench.report import cpu
+
+    fig, (mem, kv) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for run in runs:
+        samples, label = run.get("samples") or [], f"{run['server']} {run['weights'] or ''}"
+        t = [s["t"] for s in samples]
+        if samples and "rss_bytes" in samples[0]:
+            mem.plot(t, [s["rss_bytes"] / 2**20 for s in samples], label=label)
+        if samples and "kv_cache_usage_perc" in samples[0]:
+            kv.plot(t, [100 * s["kv_cache_usage_perc"] for s in samples], label=label)
+    mem.set_ylabel("resident memory (MiB)")
+    kv.set_ylabel("KV cache in use (%)")
+    kv.set_xlabel("seconds since the first request")
+    for ax in (mem, kv):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    mem.set_title(f"{title}\n{cpu()['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -88,21 +88,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible server under load: TTFT, TPOT, ITL, throughput")
     sv.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (or --launch)")
     sv.add_argument("--model", help="the model name that server answers to")
-    sv.add_argument("--launch", nargs="+", choices=["loom", "llama-server"], default=None,
-                    help="start these servers on --launch-model in turn, one run each (llama-server: built "
-                         "once from llama.cpp's sources, on the same weights as GGUF)")
+    sv.add_argument("--launch", nargs="+", choices=LAUNCH_TARGETS, default=None,
+                    help="start these on --launch-model in turn, one run each: loom serve; offline (Loom's engine in "
+                         "this process, no HTTP: the server's overhead); llama-server (built once from llama.cpp's "
+                         "sources) and llama-cpp-python (its OpenAI server), on the same weights as GGUF")
     sv.add_argument("--launch-model", type=Path, default=None,
-                    help="model directory for --launch (default: the 134M random reference Llama)")
+                    help="model directory for --launch (default: the 134M random reference Llama with the house "
+                         "model's tokenizer)")
     sv.add_argument("--weights", nargs="+", default=["bfloat16"], choices=["float32", "bfloat16", "int8", "int4"],
-                    help="with --launch: a run per format (llama-server: f32, bf16, q8_0, q4_0)")
+                    help="with --launch: a run per format (llama.cpp: f32, bf16, q8_0, q4_0)")
     sv.add_argument("--threads", type=int, default=2, help="with --launch: threads per server")
+    sv.add_argument("--cold-start", action="store_true",
+                    help="with --launch loom: first start it on an empty compile cache and time it to its first "
+                         "answer, then start it again on that cache (warm) for the run")
     sv.add_argument("--label", default=None, help="names the report: serve-<label>.json (default: the model)")
     sv.add_argument("--num-requests", type=int, default=128)
     load = sv.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="requests in flight at once (default: 16)")
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests per second")
+    sv.add_argument("--duration", type=float, default=None,
+                    help="with --request-rate: send requests for this many seconds (a soak), sampling the launched "
+                         "server's resident memory and KV usage as it runs")
     sv.add_argument("--prompt-len", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
     sv.add_argument("--output-len", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"))
+    sv.add_argument("--tokenizer", type=Path, default=None,
+                    help="send text prompts made with this model directory's tokenizer (default with --launch: the "
+                         "launched model's, if it has one; else token ids)")
     sv.add_argument("--vocab-size", type=int, default=None,
                     help="prompt ids are drawn below it (default: the server's /tokenizer_info)")
     sv.add_argument("--api-key", default=None)
@@ -288,59 +299,125 @@ def _quality(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+LAUNCH_TARGETS = ("loom", "offline", "llama-server", "llama-cpp-python")
+
+
 def _serve_bench(args: argparse.Namespace) -> None:
+    import math
+
     from loom.bench import serve
     from loom.bench.report import bar_plot, write_report
-    from loom.bench.throughput import random_workload
+    from loom.tokenizer import Tokenizer
 
-    if not args.launch and not (args.base_url and args.model):
+    launch = args.launch or []
+    if not launch and not (args.base_url and args.model):
         raise ValueError("--base-url and --model: name a running server, or --launch one")
+    if args.duration is not None and not args.request_rate:
+        raise ValueError("--duration: a soak sends requests at a --request-rate")
+    if "offline" in launch and args.request_rate:
+        raise ValueError("--launch offline: the in-process engine is driven at a --concurrency, not a request rate")
     model_dir = None
-    if args.launch:
-        from loom.models.config import ModelConfig
-        from loom.models.reference import reference_model_dir
+    if launch:
+        from loom.cli.generate import DEFAULT_MODEL
+        from loom.models.reference import reference_model_dir, with_tokenizer
 
-        model_dir = args.launch_model or reference_model_dir()
-        vocab = args.vocab_size or ModelConfig.from_dir(model_dir).vocab_size
-    else:
-        vocab = args.vocab_size or _server_vocab(args.base_url)
-    workload = [(r.prompt_token_ids, r.output_len) for r in
-                random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)]
+        model_dir = args.launch_model or with_tokenizer(reference_model_dir(), DEFAULT_MODEL)
+    tokenizer = Tokenizer.from_dir(args.tokenizer or model_dir) if (args.tokenizer or model_dir) else None
+    if args.tokenizer and tokenizer is None:
+        raise ValueError(f"--tokenizer: {args.tokenizer} has no tokenizer.json")
+    if tokenizer is None and "llama-cpp-python" in launch:
+        raise ValueError("--launch llama-cpp-python: its server takes text prompts only, and --launch-model has no "
+                         "tokenizer to make them with")
+    vocab = 0
+    if tokenizer is None:
+        from loom.models.config import ModelConfig
+
+        vocab = args.vocab_size or (ModelConfig.from_dir(model_dir).vocab_size if model_dir
+                                    else _server_vocab(args.base_url))
+    num_requests = args.num_requests
+    if args.duration:  # enough arrivals to outlast the duration at the rate
+        num_requests = max(num_requests, math.ceil(1.5 * args.request_rate * args.duration) + 16)
+    workload = serve.make_workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab,
+                                   tokenizer)
     concurrency = None if args.request_rate else (args.concurrency or 16)
-    runs = []
-    for weights, name, launch in _serve_targets(args, model_dir, concurrency):
-        server = launch()
-        try:
-            result = serve.benchmark(server.url if server else args.base_url, server.model if server else args.model,
-                                     workload, concurrency, args.request_rate, args.seed, args.api_key)
-        finally:
-            if server:
-                server.stop()
-        result.update(server=name, weights=weights, startup_s=server.startup_s if server else None)
-        runs.append(result)
-        print(f"[{name} {weights or ''}] {result['completed']} of {result['num_requests']} requests in "
-              f"{result['duration_s']:.1f} s: {result['output_tok_per_s']:.1f} output tok/s, "
-              f"{result['num_errors']} errors; " + ", ".join(
-                  f"{k.upper()} p50 {result[k].get('median_ms', 0):.1f} / p99 {result[k].get('p99_ms', 0):.1f} ms"
-                  for k in ("ttft", "tpot", "itl")), flush=True)
-    ratios = {f"{w}: loom / llama-server output tok/s": mine["output_tok_per_s"] / theirs["output_tok_per_s"]
-              for mine in runs for theirs in runs for w in [mine["weights"]]
-              if mine["server"] == "loom" and theirs["server"] == "llama-server" and theirs["weights"] == w
-              and theirs["output_tok_per_s"]}
+    targets = [(None, None)] if not launch else [(w, name) for w in args.weights for name in launch]
+    runs = [_serve_run(args, name, weights, model_dir, workload, concurrency) for weights, name in targets]
+    ratios = serve.ratios(runs)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     label = args.label or (Path(model_dir).resolve().name if model_dir else args.model)
     path = write_report(f"serve-{label}", {"model": str(model_dir) if model_dir else args.model,
-                                            "workload": {"num_requests": args.num_requests,
-                                                         "prompt_len": args.prompt_len, "output_len": args.output_len,
+                                            "workload": {"num_requests": len(workload), "prompt_len": args.prompt_len,
+                                                         "output_len": args.output_len,
+                                                         "prompts": "text" if tokenizer else "token ids",
                                                          "concurrency": concurrency,
-                                                         "request_rate": args.request_rate},
+                                                         "request_rate": args.request_rate,
+                                                         "duration_s": args.duration},
                                             "runs": runs, "ratios": ratios}, args.out_dir)
-    bar_plot(path.with_suffix(".png"), f"Serving {label}: {args.num_requests} requests, "
-             + (f"concurrency {concurrency}" if concurrency else f"{args.request_rate} req/s"),
-             [f"{r['server']}\n{r['weights'] or ''}" for r in runs], [r["output_tok_per_s"] for r in runs],
-             "output tokens/s")
+    title = f"Serving {label}: " + (f"{args.request_rate} req/s for {args.duration:.0f} s" if args.duration else
+                                    f"{len(workload)} requests, " + (f"concurrency {concurrency}" if concurrency
+                                                                     else f"{args.request_rate} req/s"))
+    if args.duration:
+        serve.soak_plot(path.with_suffix(".png"), title, runs)
+    else:
+        bar_plot(path.with_suffix(".png"), title, [f"{r['server']}\n{r['weights'] or ''}" for r in runs],
+                 [r["output_tok_per_s"] for r in runs], "output tokens/s")
     print(f"wrote {path}")
+
+
+def _serve_run(args: argparse.Namespace, name: str | None, weights: str | None, model_dir: Path | None,
+               workload: list, concurrency: int | None) -> dict:
+    """One run of the workload: against the running server (name None), in-process (offline),
+    or against a server started for it and stopped after."""
+    import shutil
+    import tempfile
+
+    from loom.bench import serve, servers
+
+    slots, context = concurrency or 16, args.prompt_len[1] + args.output_len[1] + 16
+    if name == "offline":
+        result = serve.run_offline(model_dir, weights, workload, slots, args.threads)
+    else:
+        cold, cache = {}, None
+        if name == "loom" and args.cold_start:
+            cache = Path(tempfile.mkdtemp(prefix="loom-compile-cache-"))
+            server = servers.launch_loom(model_dir, weights, slots, args.threads, workload[0], cache)
+            server.stop()
+            cold = {"cold_startup_s": server.startup_s, "cold_first_answer_s": server.first_answer_s}
+        server = servers.launch(name, model_dir, weights, slots, context, args.threads, workload[0], cache) \
+            if name else None
+        url, model = (server.url, server.model) if server else (args.base_url, args.model)
+
+        def probe() -> dict[str, float]:  # the process's own count where it was launched here
+            return {**servers.loom_gauges(url), **({"rss_bytes": server.rss_bytes()} if server else {})}
+
+        try:
+            idle = servers.loom_gauges(url)
+            result = serve.benchmark(url, model, workload, concurrency, args.request_rate, args.seed, args.api_key,
+                                     args.duration, probe if args.duration else None,
+                                     probe_every=min(10.0, (args.duration or 0) / 20))
+            if args.duration:
+                result["kv_usage_idle"] = idle.get("kv_cache_usage_perc")
+                result["kv_usage_after"] = servers.settled_kv_usage(url, idle.get("kv_cache_usage_perc"))
+                warm = [s for s in result["samples"] if s["t"] >= args.duration / 10 and "rss_bytes" in s]
+                after = probe().get("rss_bytes")
+                if warm and after:  # growth from the first sample after a tenth of the run to its end
+                    result["rss_after_bytes"] = after
+                    result["rss_growth_after_warmup"] = after / warm[0]["rss_bytes"] - 1
+        finally:
+            if server:
+                server.stop()
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
+        result.update(startup_s=server.startup_s if server else None,
+                      first_answer_s=server.first_answer_s if server else None, **cold)
+    result.update(server=name or args.base_url, weights=weights)
+    print(f"[{result['server']} {weights or ''}] {result['completed']} of {result['num_requests']} requests in "
+          f"{result['duration_s']:.1f} s: {result['output_tok_per_s']:.1f} output tok/s, "
+          f"{result['num_errors']} errors; " + ", ".join(
+              f"{k.upper()} p50 {result[k].get('median_ms', 0):.1f} / p99 {result[k].get('p99_ms', 0):.1f} ms"
+              for k in ("ttft", "tpot", "itl")), flush=True)
+    return result
 
 
 def _server_vocab(base_url: str) -> int:
@@ -350,21 +427,6 @@ def _server_vocab(base_url: str) -> int:
         return httpx.get(f"{base_url.rstrip('/')}/tokenizer_info", timeout=10).json()["vocab_size"]
     except (httpx.HTTPError, KeyError, ValueError):
         raise ValueError("--vocab-size: the server has no /tokenizer_info to read it from; pass it") from None
-
-
-def _serve_targets(args: argparse.Namespace, model_dir: Path | None, concurrency: int | None) -> list[tuple]:
-    """(weights, server name, a function starting it, or returning None for the running one)."""
-    from loom.bench import servers
-
-    if not args.launch:
-        return [(None, args.base_url, lambda: None)]
-    slots = concurrency or 16
-    context = args.prompt_len[1] + args.output_len[1] + 16
-    starters = {
-        "loom": lambda w: lambda: servers.launch_loom(model_dir, w, slots, args.threads),
-        "llama-server": lambda w: lambda: servers.launch_llama_server(model_dir, w, slots, context, args.threads),
-    }
-    return [(w, name, starters[name](w)) for w in args.weights for name in args.launch]
 
 
 def _unigram_nats_per_char(tokenizer, train_text: str, heldout: str) -> float:

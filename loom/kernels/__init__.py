@@ -13,19 +13,27 @@ eager calls cost no Python.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 SOURCES = ("paged_attention.cpp", "linear.cpp")
+# A build takes a minute or two; a lock file older than this was left by a build that was killed,
+# and torch's loader would wait for it forever.
+STALE_LOCK_SECONDS = 15 * 60
 
 
 @functools.cache
 def load_kernels() -> None:
     """Builds or loads the kernels; afterwards `torch.ops.loom.<name>` exist."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     here = Path(__file__).parent
+    remove_stale_lock(Path(_get_build_directory("loom_kernels", verbose=False)))
     try:
         load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
@@ -35,6 +43,21 @@ def load_kernels() -> None:
             "or run with attention_backend='torch' and without quantization"
         ) from e
     _register_fakes()
+
+
+def remove_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Removes the build lock in `build_dir` if it is older than `max_age` seconds; whether it did."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age:
+        return False
+    logger.warning("removing %s, left %.0f minutes ago by a build of Loom's kernels that did not finish", lock,
+                   age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _register_fakes() -> None:

@@ -1,9 +1,12 @@
 """The benchmarks' reference model: a random-weight Llama of 134M parameters (hidden 768,
 12 layers, 12 heads, intermediate 2048, vocab 32000, untied), written once to a cache folder
-in the Hugging Face layout so Loom and its peers load the very same files."""
+in the Hugging Face layout so Loom and its peers load the very same files. It has no
+tokenizer (the benchmarks feed token ids); `with_tokenizer` gives it one for peers that take
+text only."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -47,4 +50,32 @@ def reference_model_dir(shape: dict | None = None, name: str = "ref-134m", seed:
     save_file(tensors, str(tmp))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(out / "model.safetensors")  # last: a half-written model is never mistaken for a whole one
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def with_tokenizer(model_dir: Path, tokenizer_dir: Path) -> Path:
+    """A sibling of `model_dir` that reads text with `tokenizer_dir`'s tokenizer (whose ids must
+    fit the model's vocabulary): the same weights (linked, not copied), the tokenizer's files,
+    and its BOS/EOS ids in the config. Made once."""
+    model_dir, tokenizer_dir = Path(model_dir), Path(tokenizer_dir)
+    out = model_dir.with_name(f"{model_dir.name}-{tokenizer_dir.resolve().name}-tokenizer")
+    if (out / "config.json").is_file():
+        return out
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    if len(vocab) > config["vocab_size"]:
+        raise ValueError(f"{tokenizer_dir}: {len(vocab)} tokens do not fit the model's vocabulary of "
+                         f"{config['vocab_size']}")
+    ids = json.loads((tokenizer_dir / "config.json").read_text())
+    config |= {k: ids[k] for k in ("bos_token_id", "eos_token_id") if k in ids}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / name, out / name)
+    for weights in model_dir.glob("*.safetensors"):
+        (out / weights.name).unlink(missing_ok=True)
+        (out / weights.name).symlink_to(weights.resolve())
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks the folder whole
     return out

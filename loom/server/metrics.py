@@ -3,7 +3,7 @@ by changing the prefix. Updated on the engine's step thread after every step; pr
 is thread-safe, and `/metrics` renders whatever the last step left."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from loom.engine.llm_engine import LLMEngine
 
@@ -20,6 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and the like, as vLLM exposes
         labels, r = ["model_name"], self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
