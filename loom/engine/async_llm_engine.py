@@ -93,8 +93,7 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
+                self._deliver([(output.request_id, output) for output in self.engine.step()])
                 self._after_step()
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # a failure outside any request's step: nothing can go on
@@ -103,8 +102,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._dead = error
             streams = list(self._streams)
-        for request_id in streams:
-            self._deliver(request_id, error)
+        self._deliver([(request_id, error) for request_id in streams])
 
     def _after_step(self) -> None:
         if self._on_step is not None:
@@ -113,18 +111,27 @@ class AsyncLLMEngine:
             except Exception:  # an observer's failure must not stop the engine
                 logger.exception("the step observer failed")
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hands each item to its request's stream: one wake-up of each consumer loop per step."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         with self._lock:
-            # A finished request's stream is dropped here, not only when its reader closes it:
-            # a reader that never started (a client gone before its response began) leaks nothing.
-            finished = isinstance(item, RequestOutput) and item.finished
-            stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
-        if stream is not None:  # None: its consumer left, and the abort is on its way
-            loop, queue = stream
+            for request_id, item in items:
+                # A finished request's stream is dropped here, not only when its reader closes it: a
+                # reader that never started (a client gone before its response began) leaks nothing.
+                finished = isinstance(item, RequestOutput) and item.finished
+                stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+                if stream is not None:  # None: its consumer left, and the abort is on its way
+                    puts.setdefault(stream[0], []).append((stream[1], item))
+        for loop, queued in puts.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, queued)
             except RuntimeError:  # the consumer's loop is closed
                 pass
+
+
+def _put_all(queued: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue, item in queued:
+        queue.put_nowait(item)
 
 
 class RequestStream:

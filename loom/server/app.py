@@ -382,6 +382,11 @@ async def _until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several streams as they come, each with its stream's index."""
+    if len(streams) == 1:  # the common case, read directly: no task and queue between it and the client
+        with streams[0] as stream:
+            async for output in stream:
+                yield 0, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
