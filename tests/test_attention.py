@@ -112,6 +112,32 @@ def test_packed_step_with_cached_prefixes_matches_dense():
         row += n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 21])
+def test_long_prefill_taken_in_query_chunks_matches_dense(monkeypatch, dtype, prefix):
+    """A prompt whose scores exceed the per-chunk budget is taken in chunks of queries, each
+    over the keys its queries can see; chunk edges fall mid-block and the result is unchanged."""
+    import loom.kv.attention as attention
+
+    monkeypatch.setattr(attention, "_SCORE_ELEMENTS", 8 * 70 * 7)  # 7 query rows per chunk at context 70
+    g = torch.Generator().manual_seed(3)
+    H, KVH, D, BS, n = 8, 2, 32, 8, 70 - prefix
+    cache = KVCache(1, 16, KVH, D, BS, dtype, "cpu")
+    tables, ks, vs = fill_cache(cache, 0, [prefix], KVH, D, dtype, g) if prefix else ([[]], [], [])
+    used = set(tables[0])
+    table = tables[0] + [b for b in range(16) if b not in used][: -(-70 // BS) - len(tables[0])]
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    k = torch.randn(n, KVH, D, generator=g).to(dtype)
+    v = torch.randn(n, KVH, D, generator=g).to(dtype)
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(prefix, 70)])
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSegment(0, n, 70, torch.tensor(table))])
+    out = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, "cpp")
+    full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
+    ref = dense_attention(q, full_k, full_v, causal_offset=prefix)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
     """Tokens dropped from the middle of a sequence (their slots refilled by the block manager's
