@@ -81,31 +81,37 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     return F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
 
 
-# fp32 scores held at once by _causal_by_matmul (16 MiB): queries are taken in chunks below it.
-_SCORE_ELEMENTS = 1 << 22
+# fp32 scores held at once by _causal_by_matmul (2 MiB, about an L2 cache): queries are taken in
+# chunks below it, which also skips most of the causally hidden scores.
+_SCORE_ELEMENTS = 1 << 19
 
 
 def _causal_by_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
     """q [H, n, D] (the last n of the context), k/v [KVH, ctx, D] -> [H, n, D], in fp32 batched
     matmuls over chunks of queries. On CPU, torch's SDPA reached 23-44 GFLOP/s here (2 cores, n
-    512-1024), this 2-3x that. Each chunk reads only the keys its last query can see when the
-    stored tokens are in position order (key_positions None)."""
+    512-1024), this 2-3x that. When the stored tokens are in position order (key_positions None)
+    each chunk reads only the keys its last query can see and masks only the square it shares
+    with them."""
     heads, n, dim = q.shape
     kv_heads, ctx = k.shape[0], k.shape[1]
     group = heads // kv_heads
     rows = max(1, _SCORE_ELEMENTS // (heads * ctx))
     kt = k.float().transpose(1, 2)  # [KVH, D, ctx]
     vf = v.float()
-    qg = q.float().view(kv_heads, group, n, dim)
-    positions = key_positions if key_positions is not None else torch.arange(ctx, device=q.device)
+    qg = (q.float() * scale).view(kv_heads, group, n, dim)
     out = torch.empty_like(q)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         visible = ctx - n + r1 if key_positions is None else ctx
-        scores = torch.matmul(qg[:, :, r0:r1], kt[:, None, :, :visible]).mul_(scale)  # [KVH, g, rows, visible]
-        hidden = positions[:visible].unsqueeze(0) > positions[ctx - n + r0:ctx - n + r1].unsqueeze(1)
-        probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+        scores = torch.matmul(qg[:, :, r0:r1], kt[:, None, :, :visible])  # [KVH, g, rows, visible]
+        if key_positions is None:  # query i of the chunk sees the square's columns up to i
+            hidden = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=q.device).triu_(1)
+            scores[..., visible - (r1 - r0):].masked_fill_(hidden, float("-inf"))
+        else:
+            hidden = key_positions.unsqueeze(0) > key_positions[ctx - n + r0:ctx - n + r1].unsqueeze(1)
+            scores.masked_fill_(hidden, float("-inf"))
+        probs = scores.softmax(dim=-1)
         out[:, r0:r1] = torch.matmul(probs, vf[:, None, :visible]).view(heads, r1 - r0, dim).to(q.dtype)
     return out
 
