@@ -31,9 +31,20 @@ namespace {
 // sequential read.
 constexpr int64_t kAhead = 4;
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+// Block j of a sequence (its block table), kv head kvh's slice of `stride` elements.
+template <typename T>
+inline const T* head_block(const T* cache, const int32_t* table, int64_t j, int64_t kvh, int64_t num_kv_heads,
+                           int64_t stride) {
+  return cache + (table[j] * num_kv_heads + kvh) * stride;
+}
+
+// Prefetches block j + kAhead's slice, if the sequence has that block.
+template <typename T>
+inline void prefetch_ahead(const T* cache, const int32_t* table, int64_t j, int64_t num_blocks, int64_t kvh,
+                           int64_t num_kv_heads, int64_t stride) {
+  if (j + kAhead >= num_blocks) return;
+  const char* c = reinterpret_cast<const char*>(head_block(cache, table, j + kAhead, kvh, num_kv_heads, stride));
+  for (int64_t off = 0; off < stride * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
 // Element loads widened to fp32. The bf16 case is spelled as a shift so the compiler
@@ -73,12 +84,10 @@ template <typename T, int BS, int DC>
 inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table, int64_t ctx, int64_t kvh,
                           int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
   float acc[DC] = {};
-  const int64_t head_block_stride = BS * head_dim;
+  const int64_t head_block_stride = BS * head_dim, num_blocks = (ctx + BS - 1) / BS;
   for (int64_t t0 = 0; t0 < ctx; t0 += BS) {
-    const T* vblock = v_cache + (table[t0 / BS] * num_kv_heads + kvh) * head_block_stride + d0;
-    if (d0 == 0 && t0 + kAhead * BS < ctx)
-      prefetch_bytes(v_cache + (table[t0 / BS + kAhead] * num_kv_heads + kvh) * head_block_stride,
-                     head_block_stride * sizeof(T));
+    const T* vblock = head_block(v_cache, table, t0 / BS, kvh, num_kv_heads, head_block_stride) + d0;
+    if (d0 == 0) prefetch_ahead(v_cache, table, t0 / BS, num_blocks, kvh, num_kv_heads, head_block_stride);
     const int64_t n = std::min<int64_t>(BS, ctx - t0);
     for (int64_t t = 0; t < n; ++t) {
       const float pt = p[t0 + t];
@@ -100,8 +109,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-template <typename T>
-constexpr bool kHasLoad16 = std::is_same_v<T, c10::BFloat16>;
 
 template <typename T>
 inline void block_scores16(const float* q, const T* kblock, int64_t head_dim, float* out) {
@@ -121,12 +128,10 @@ inline void weighted_rows16(const float* p, const T* v_cache, const int32_t* tab
                             int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-  const int64_t head_block_stride = 16 * head_dim;
+  const int64_t head_block_stride = 16 * head_dim, num_blocks = (ctx + 15) / 16;
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-    const T* vblock = v_cache + (table[t0 / 16] * num_kv_heads + kvh) * head_block_stride + d0;
-    if (d0 == 0 && t0 + kAhead * 16 < ctx)
-      prefetch_bytes(v_cache + (table[t0 / 16 + kAhead] * num_kv_heads + kvh) * head_block_stride,
-                     head_block_stride * sizeof(T));
+    const T* vblock = head_block(v_cache, table, t0 / 16, kvh, num_kv_heads, head_block_stride) + d0;
+    if (d0 == 0) prefetch_ahead(v_cache, table, t0 / 16, num_blocks, kvh, num_kv_heads, head_block_stride);
     const int64_t n = std::min<int64_t>(16, ctx - t0);
     int64_t t = 0;
     for (; t + 2 <= n; t += 2) {
@@ -167,10 +172,8 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       }
       // Scores of whole blocks (the tail past ctx is written but never read).
       for (int64_t j = 0; j < num_blocks; ++j) {
-        const T* kblock = k_cache + (table[j] * num_kv_heads + kvh) * head_block_stride;
-        if (j + kAhead < num_blocks)
-          prefetch_bytes(k_cache + (table[j + kAhead] * num_kv_heads + kvh) * head_block_stride,
-                         head_block_stride * sizeof(T));
+        const T* kblock = head_block(k_cache, table, j, kvh, num_kv_heads, head_block_stride);
+        prefetch_ahead(k_cache, table, j, num_blocks, kvh, num_kv_heads, head_block_stride);
         for (int64_t g = 0; g < group; ++g) {
           float* out = scores.data() + g * num_blocks * BS + j * BS;
 #ifdef __AVX512F__
@@ -224,7 +227,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
                    float scale) {
 #ifdef __AVX512F__
-  if constexpr (BS == 16 && kHasLoad16<T>) {
+  if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
     if (head_dim % 16 == 0)
       return decode_kernel_impl<T, BS, true>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch,
                                              num_heads, num_kv_heads, head_dim, max_blocks, scale);

@@ -96,18 +96,20 @@ def _causal_by_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pos
     heads, n, dim = q.shape
     kv_heads, ctx = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    rows = max(1, _SCORE_ELEMENTS // (heads * ctx))
+    rows = max(1, min(n, _SCORE_ELEMENTS // (heads * ctx)))
     kt = k.float().transpose(1, 2)  # [KVH, D, ctx]
     vf = v.float()
     qg = (q.float() * scale).view(kv_heads, group, n, dim)
     out = torch.empty_like(q)
+    if key_positions is None:  # query i of a chunk sees the square's columns up to i
+        square_hidden = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         visible = ctx - n + r1 if key_positions is None else ctx
         scores = torch.matmul(qg[:, :, r0:r1], kt[:, None, :, :visible])  # [KVH, g, rows, visible]
-        if key_positions is None:  # query i of the chunk sees the square's columns up to i
-            hidden = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=q.device).triu_(1)
-            scores[..., visible - (r1 - r0):].masked_fill_(hidden, float("-inf"))
+        if key_positions is None:
+            m = r1 - r0
+            scores[..., visible - m:].masked_fill_(square_hidden[:m, :m], float("-inf"))
         else:
             hidden = key_positions.unsqueeze(0) > key_positions[ctx - n + r0:ctx - n + r1].unsqueeze(1)
             scores.masked_fill_(hidden, float("-inf"))
