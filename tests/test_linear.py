@@ -49,16 +49,21 @@ def test_swap_keeps_outputs_and_refuses_other_dtypes():
         DenseLinear(nn.Linear(8, 8).half())
 
 
-def test_a_killed_build_s_lock_is_removed_a_running_one_s_kept(tmp_path):
-    """torch's extension loader waits forever on a lock file; one a killed build left behind
-    (older than any build takes) is removed, a fresh one (a build in progress) is not."""
-    import os
+def test_a_killed_build_s_lock_is_removed_and_builds_take_turns(tmp_path):
+    """torch's extension loader waits forever on the lock file a killed build leaves behind; under
+    Loom's build lock such a file is removed however recent, and a second builder waits its turn."""
+    import fcntl
+    import subprocess
+    import sys
 
-    from loom.kernels import STALE_LOCK_SECONDS, remove_stale_lock
+    from loom.kernels import exclusive_build
 
     lock = tmp_path / "lock"
-    assert not remove_stale_lock(tmp_path)
-    lock.touch()
-    assert not remove_stale_lock(tmp_path) and lock.exists()
-    os.utime(lock, (0, 0))  # written in 1970: older than STALE_LOCK_SECONDS by any clock
-    assert remove_stale_lock(tmp_path) and not lock.exists()
+    lock.touch()  # a build killed a moment ago
+    with exclusive_build(tmp_path):
+        assert not lock.exists()
+        probe = "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'w'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+        held = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "loom.flock")], capture_output=True)
+        assert held.returncode != 0 and b"BlockingIOError" in held.stderr, held.stderr
+    with open(tmp_path / "loom.flock", "w") as f:  # released on leaving
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -12,9 +12,11 @@ eager calls cost no Python.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,9 +24,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.cpp", "linear.cpp")
-# A build takes a minute or two; a lock file older than this was left by a build that was killed,
-# and torch's loader would wait for it forever.
-STALE_LOCK_SECONDS = 15 * 60
 
 
 @functools.cache
@@ -33,31 +32,34 @@ def load_kernels() -> None:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     here = Path(__file__).parent
-    remove_stale_lock(Path(_get_build_directory("loom_kernels", verbose=False)))
-    try:
-        load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
-    except Exception as e:  # the message names the missing compiler or header
-        raise RuntimeError(
-            f"could not build Loom's C++ kernels ({e}); install a C++ compiler and ninja, "
-            "or run with attention_backend='torch' and without quantization"
-        ) from e
+    with exclusive_build(Path(_get_build_directory("loom_kernels", verbose=False))):
+        try:
+            load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
+                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+        except Exception as e:  # the message names the missing compiler or header
+            raise RuntimeError(
+                f"could not build Loom's C++ kernels ({e}); install a C++ compiler and ninja, "
+                "or run with attention_backend='torch' and without quantization"
+            ) from e
     _register_fakes()
 
 
-def remove_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
-    """Removes the build lock in `build_dir` if it is older than `max_age` seconds; whether it did."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age:
-        return False
-    logger.warning("removing %s, left %.0f minutes ago by a build of Loom's kernels that did not finish", lock,
-                   age / 60)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Makes the caller the only process building or loading the kernels in `build_dir`.
+
+    torch's loader guards a build with a plain `lock` file and waits for it to vanish, forever if
+    the build was killed. Loom's processes first take an flock, which the OS releases when its
+    holder dies; so under it, a `lock` file can only be a dead build's, and is removed.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "loom.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            logger.warning("removing %s, left by a build of Loom's kernels that did not finish", leftover)
+            leftover.unlink(missing_ok=True)
+        yield
 
 
 def _register_fakes() -> None:
