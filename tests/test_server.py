@@ -591,19 +591,29 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
 
 
 def test_bench_serve_launches_loom_itself(tmp_path):
-    """`--launch loom offline`: the server it starts and the same engine in-process, on the same
-    text prompts; every request served in both, the server timed to its first answer."""
+    """`--launch loom offline --rounds 2`: the server it starts and the same engine in-process take
+    turns on the same text prompts, new prompts each round; every request served in both, the
+    server timed to its first answer, the ratios the medians of the rounds'."""
+    import statistics
+
     from loom.cli import main
 
     main(["bench", "serve", "--launch", "loom", "offline", "--launch-model", str(HOUSE), "--num-requests", "6",
-          "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--out-dir", str(tmp_path)])
+          "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--rounds", "2",
+          "--out-dir", str(tmp_path)])
     report = json.loads((tmp_path / "serve-house.json").read_text())
-    served, offline = report["runs"]
     assert report["workload"]["prompts"] == "text"
-    for run, name in ((served, "loom"), (offline, "offline")):
-        assert (run["server"], run["weights"], run["completed"], run["num_errors"]) == (name, "bfloat16", 6, 0)
-    assert served["total_output_tokens"] == offline["total_output_tokens"]
-    assert [r["output_tokens"] for r in served["requests"]] == [r["output_tokens"] for r in offline["requests"]]
-    assert 0 < served["startup_s"] <= served["first_answer_s"] and served["model"] == "house"
-    assert set(report["ratios"]) == {"bfloat16: loom serve / offline engine output tok/s",
-                                     "bfloat16: loom serve / offline engine median TPOT"}
+    assert [(r["server"], r["round"]) for r in report["runs"]] == [("loom", 0), ("offline", 0), ("loom", 1),
+                                                                    ("offline", 1)]
+    for run in report["runs"]:
+        assert (run["weights"], run["completed"], run["num_errors"]) == ("bfloat16", 6, 0)
+    rounds = [report["runs"][:2], report["runs"][2:]]
+    for served, offline in rounds:
+        assert [r["prompt_len"] for r in served["requests"]] == [r["prompt_len"] for r in offline["requests"]]
+        assert [r["output_tokens"] for r in served["requests"]] == [r["output_tokens"] for r in offline["requests"]]
+        assert 0 < served["startup_s"] <= served["first_answer_s"] and served["model"] == "house"
+    assert [r["prompt_len"] for r in rounds[0][0]["requests"]] != [r["prompt_len"] for r in rounds[1][0]["requests"]]
+    keys = {"bfloat16: loom serve / offline engine output tok/s", "bfloat16: loom serve / offline engine median TPOT"}
+    assert set(report["ratios"]) == keys and len(report["ratios_by_round"]) == 2
+    for k in keys:
+        assert report["ratios"][k] == statistics.median(rr[k] for rr in report["ratios_by_round"])

@@ -23,10 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from loom.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from loom import LLM
 
 
 @dataclass
@@ -185,16 +189,23 @@ def benchmark(base_url: str, model: str, workload: list[ServeRequest], concurren
             **summarize(results, elapsed), **({"samples": samples} if probe else {})}
 
 
-def run_offline(model_dir: Path, weights: str, workload: list[ServeRequest], concurrency: int, threads: int) -> dict:
-    """The workload through Loom's engine in this process, `concurrency` requests in flight as
-    the HTTP clients keep them (the next one added when one finishes), timed like them: what
-    the server adds on top is the difference."""
+def offline_llm(model_dir: Path, weights: str, concurrency: int, threads: int) -> LLM:
+    """Loom's engine in this process as `run_offline` drives it, warmed by one short request."""
     from loom import LLM, SamplingParams
 
     dtype, quantization = split_weights(weights)
     llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=concurrency, num_threads=threads)
-    engine = llm.engine
     llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    return llm
+
+
+def run_offline(llm: LLM, workload: list[ServeRequest], concurrency: int) -> dict:
+    """The workload through Loom's engine in this process, `concurrency` requests in flight as
+    the HTTP clients keep them (the next one added when one finishes), timed like them: what
+    the server adds on top is the difference."""
+    from loom import SamplingParams
+
+    engine = llm.engine
     pending = list(reversed(workload))
     inflight: dict[str, tuple[RequestResult, float]] = {}  # id -> (result, time of its last token)
     results: list[RequestResult] = []
@@ -223,7 +234,7 @@ def run_offline(model_dir: Path, weights: str, workload: list[ServeRequest], con
                 result.ok = out.outputs[0].finish_reason == "length"
                 result.error = "" if result.ok else f"finished with {out.outputs[0].finish_reason}"
                 del inflight[out.request_id]
-    return {"base_url": None, "model": str(model_dir), "concurrency": concurrency, "request_rate": None,
+    return {"base_url": None, "model": llm.engine.config.model, "concurrency": concurrency, "request_rate": None,
             **summarize(results, time.perf_counter() - start)}
 
 
@@ -244,6 +255,13 @@ def ratios(runs: list[dict]) -> dict[str, float]:
                 ratios[f"{w}: loom serve / offline engine median TPOT"] = \
                     mine["tpot"]["median_ms"] / offline["tpot"]["median_ms"]
     return ratios
+
+
+def ratios_over_rounds(runs: list[dict]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The median over rounds of each round's `ratios`, and those per round. Targets take turns
+    within a round, so a ratio pairs runs minutes apart and the machine's drift mostly cancels."""
+    by_round = [ratios([r for r in runs if r["round"] == i]) for i in sorted({r["round"] for r in runs})]
+    return {k: statistics.median(rr[k] for rr in by_round) for k in by_round[0]}, by_round
 
 
 def split_weights(weights: str) -> tuple[str, str | None]:

@@ -3,8 +3,15 @@ writes docs/benchmarks/<name>.json and .png."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.bench.serve import ServeRequest
+    from loom.bench.servers import Launched
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -89,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (or --launch)")
     sv.add_argument("--model", help="the model name that server answers to")
     sv.add_argument("--launch", nargs="+", choices=LAUNCH_TARGETS, default=None,
-                    help="start these on --launch-model in turn, one run each: loom serve; offline (Loom's engine in "
+                    help="start these on --launch-model, one run each per round: loom serve; offline (Loom's engine in "
                          "this process, no HTTP: the server's overhead); llama-server (built once from llama.cpp's "
                          "sources) and llama-cpp-python (its OpenAI server), on the same weights as GGUF")
     sv.add_argument("--launch-model", type=Path, default=None,
@@ -103,6 +110,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "answer, then start it again on that cache (warm) for the run")
     sv.add_argument("--label", default=None, help="names the report: serve-<label>.json (default: the model)")
     sv.add_argument("--num-requests", type=int, default=128)
+    sv.add_argument("--rounds", type=int, default=1,
+                    help="with --launch: run every target this many times, taking turns, each round on fresh "
+                         "prompts (nothing cached from the round before); ratios are medians over rounds")
     load = sv.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="requests in flight at once (default: 16)")
     load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests per second")
@@ -337,38 +347,56 @@ def _serve_bench(args: argparse.Namespace) -> None:
     num_requests = args.num_requests
     if args.duration:  # enough arrivals to outlast the duration at the rate
         num_requests = max(num_requests, math.ceil(1.5 * args.request_rate * args.duration) + 16)
-    workload = serve.make_workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab,
-                                   tokenizer)
+    if args.rounds < 1 or (args.rounds > 1 and (not launch or args.duration)):
+        raise ValueError(f"--rounds: {args.rounds}; more than one round takes --launch and no --duration")
+    workloads = [serve.make_workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed + r,
+                                     vocab, tokenizer) for r in range(args.rounds)]
     concurrency = None if args.request_rate else (args.concurrency or 16)
-    targets = [(None, None)] if not launch else [(w, name) for w in args.weights for name in launch]
-    runs = [_serve_run(args, name, weights, model_dir, workload, concurrency) for weights, name in targets]
-    ratios = serve.ratios(runs)
+    runs = []
+    for weights in args.weights if launch else [None]:
+        with contextlib.ExitStack() as stack:  # a format's targets stay up through its rounds
+            targets = [(name, stack.enter_context(_serve_target(args, name, weights, model_dir, workloads[0][0],
+                                                                concurrency)))
+                       for name in launch or [None]]
+            for r, workload in enumerate(workloads):
+                for name, run in targets:
+                    runs.append(_report_run({**run(workload), "server": name or args.base_url, "weights": weights,
+                                             "round": r}))
+    ratios, ratios_by_round = serve.ratios_over_rounds(runs)
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+        print(f"{k}: {v:.2f}x" + (f" (rounds: {', '.join(f'{rr[k]:.2f}' for rr in ratios_by_round)})"
+                                  if args.rounds > 1 else ""))
     label = args.label or (Path(model_dir).resolve().name if model_dir else args.model)
     path = write_report(f"serve-{label}", {"model": str(model_dir) if model_dir else args.model,
-                                            "workload": {"num_requests": len(workload), "prompt_len": args.prompt_len,
+                                            "workload": {"num_requests": num_requests, "prompt_len": args.prompt_len,
                                                          "output_len": args.output_len,
                                                          "prompts": "text" if tokenizer else "token ids",
                                                          "concurrency": concurrency,
                                                          "request_rate": args.request_rate,
-                                                         "duration_s": args.duration},
-                                            "runs": runs, "ratios": ratios}, args.out_dir)
+                                                         "duration_s": args.duration, "rounds": args.rounds},
+                                            "runs": runs, "ratios": ratios, "ratios_by_round": ratios_by_round},
+                        args.out_dir)
     title = f"Serving {label}: " + (f"{args.request_rate} req/s for {args.duration:.0f} s" if args.duration else
-                                    f"{len(workload)} requests, " + (f"concurrency {concurrency}" if concurrency
-                                                                     else f"{args.request_rate} req/s"))
+                                    f"{num_requests} requests, " + (f"concurrency {concurrency}" if concurrency
+                                                                    else f"{args.request_rate} req/s"))
     if args.duration:
         serve.soak_plot(path.with_suffix(".png"), title, runs)
     else:
-        bar_plot(path.with_suffix(".png"), title, [f"{r['server']}\n{r['weights'] or ''}" for r in runs],
-                 [r["output_tok_per_s"] for r in runs], "output tokens/s")
+        if args.rounds > 1:
+            title += f", median of {args.rounds} rounds"
+        bars = {}
+        for r in runs:
+            bars.setdefault(f"{r['server']}\n{r['weights'] or ''}", []).append(r["output_tok_per_s"])
+        bar_plot(path.with_suffix(".png"), title, list(bars), [statistics.median(v) for v in bars.values()],
+                 "output tokens/s")
     print(f"wrote {path}")
 
 
-def _serve_run(args: argparse.Namespace, name: str | None, weights: str | None, model_dir: Path | None,
-               workload: list, concurrency: int | None) -> dict:
-    """One run of the workload: against the running server (name None), in-process (offline),
-    or against a server started for it and stopped after."""
+@contextlib.contextmanager
+def _serve_target(args: argparse.Namespace, name: str | None, weights: str | None, model_dir: Path | None,
+                  probe: ServeRequest, concurrency: int | None) -> Iterator[Callable[[list], dict]]:
+    """A target made ready (a server started, or the engine loaded in-process for offline; the
+    running server when name is None) as a function that runs a workload on it; stopped after."""
     import shutil
     import tempfile
 
@@ -376,48 +404,60 @@ def _serve_run(args: argparse.Namespace, name: str | None, weights: str | None, 
 
     slots, context = concurrency or 16, args.prompt_len[1] + args.output_len[1] + 16
     if name == "offline":
-        result = serve.run_offline(model_dir, weights, workload, slots, args.threads)
-    else:
-        cold, cache = {}, None
+        llm = serve.offline_llm(model_dir, weights, slots, args.threads)
+        yield lambda workload: serve.run_offline(llm, workload, slots)
+        return
+    cold, cache, server = {}, None, None
+    try:
         if name == "loom" and args.cold_start:
             cache = Path(tempfile.mkdtemp(prefix="loom-compile-cache-"))
-            server = servers.launch_loom(model_dir, weights, slots, args.threads, workload[0], cache)
+            server = servers.launch_loom(model_dir, weights, slots, args.threads, probe, cache)
             server.stop()
             cold = {"cold_startup_s": server.startup_s, "cold_first_answer_s": server.first_answer_s}
-        server = servers.launch(name, model_dir, weights, slots, context, args.threads, workload[0], cache) \
+        server = servers.launch(name, model_dir, weights, slots, context, args.threads, probe, cache) \
             if name else None
+        started = {"startup_s": server.startup_s, "first_answer_s": server.first_answer_s, **cold} if server else {}
         url, model = (server.url, server.model) if server else (args.base_url, args.model)
+        yield lambda workload: {**_serve_http(args, server, url, model, workload, concurrency), **started}
+    finally:
+        if server:
+            server.stop()
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
 
-        def probe() -> dict[str, float]:  # the process's own count where it was launched here
-            return {**servers.loom_gauges(url), **({"rss_bytes": server.rss_bytes()} if server else {})}
 
-        try:
-            idle = servers.loom_gauges(url)
-            result = serve.benchmark(url, model, workload, concurrency, args.request_rate, args.seed, args.api_key,
-                                     args.duration, probe if args.duration else None,
-                                     probe_every=min(10.0, (args.duration or 0) / 20))
-            if args.duration:
-                result["kv_usage_idle"] = idle.get("kv_cache_usage_perc")
-                result["kv_usage_after"] = servers.settled_kv_usage(url, idle.get("kv_cache_usage_perc"))
-                warm = [s for s in result["samples"] if s["t"] >= args.duration / 10 and "rss_bytes" in s]
-                after = probe().get("rss_bytes")
-                if warm and after:  # growth from the first sample after a tenth of the run to its end
-                    result["rss_after_bytes"] = after
-                    result["rss_growth_after_warmup"] = after / warm[0]["rss_bytes"] - 1
-        finally:
-            if server:
-                server.stop()
-            if cache:
-                shutil.rmtree(cache, ignore_errors=True)
-        result.update(startup_s=server.startup_s if server else None,
-                      first_answer_s=server.first_answer_s if server else None, **cold)
-    result.update(server=name or args.base_url, weights=weights)
-    print(f"[{result['server']} {weights or ''}] {result['completed']} of {result['num_requests']} requests in "
-          f"{result['duration_s']:.1f} s: {result['output_tok_per_s']:.1f} output tok/s, "
+def _serve_http(args: argparse.Namespace, server: Launched | None, url: str, model: str, workload: list,
+                concurrency: int | None) -> dict:
+    """One run of the workload against a server; a soak (--duration) also samples its memory and KV use."""
+    from loom.bench import serve, servers
+
+    def probe() -> dict[str, float]:  # the process's own count where it was launched here
+        return {**servers.loom_gauges(url), **({"rss_bytes": server.rss_bytes()} if server else {})}
+
+    idle = servers.loom_gauges(url)
+    result = serve.benchmark(url, model, workload, concurrency, args.request_rate, args.seed, args.api_key,
+                             args.duration, probe if args.duration else None,
+                             probe_every=min(10.0, (args.duration or 0) / 20))
+    if args.duration:
+        result["kv_usage_idle"] = idle.get("kv_cache_usage_perc")
+        result["kv_usage_after"] = servers.settled_kv_usage(url, idle.get("kv_cache_usage_perc"))
+        warm = [s for s in result["samples"] if s["t"] >= args.duration / 10 and "rss_bytes" in s]
+        after = probe().get("rss_bytes")
+        if warm and after:  # growth from the first sample after a tenth of the run to its end
+            result["rss_after_bytes"] = after
+            result["rss_growth_after_warmup"] = after / warm[0]["rss_bytes"] - 1
+    return result
+
+
+def _report_run(result: dict) -> dict:
+    print(f"[{result['server']} {result['weights'] or ''}] {result['completed']} of {result['num_requests']} requests "
+          f"in {result['duration_s']:.1f} s: {result['output_tok_per_s']:.1f} output tok/s, "
           f"{result['num_errors']} errors; " + ", ".join(
               f"{k.upper()} p50 {result[k].get('median_ms', 0):.1f} / p99 {result[k].get('p99_ms', 0):.1f} ms"
               for k in ("ttft", "tpot", "itl")), flush=True)
     return result
+
+
 
 
 def _server_vocab(base_url: str) -> int:
