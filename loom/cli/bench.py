@@ -326,6 +326,8 @@ def _serve_bench(args: argparse.Namespace) -> None:
         raise ValueError("--duration: a soak sends requests at a --request-rate")
     if "offline" in launch and args.request_rate:
         raise ValueError("--launch offline: the in-process engine is driven at a --concurrency, not a request rate")
+    if args.rounds < 1 or (args.rounds > 1 and (not launch or args.duration)):
+        raise ValueError(f"--rounds: {args.rounds}; more than one round takes --launch and no --duration")
     model_dir = None
     if launch:
         from loom.cli.generate import DEFAULT_MODEL
@@ -347,8 +349,6 @@ def _serve_bench(args: argparse.Namespace) -> None:
     num_requests = args.num_requests
     if args.duration:  # enough arrivals to outlast the duration at the rate
         num_requests = max(num_requests, math.ceil(1.5 * args.request_rate * args.duration) + 16)
-    if args.rounds < 1 or (args.rounds > 1 and (not launch or args.duration)):
-        raise ValueError(f"--rounds: {args.rounds}; more than one round takes --launch and no --duration")
     workloads = [serve.make_workload(num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed + r,
                                      vocab, tokenizer) for r in range(args.rounds)]
     concurrency = None if args.request_rate else (args.concurrency or 16)
@@ -417,8 +417,7 @@ def _serve_target(args: argparse.Namespace, name: str | None, weights: str | Non
         server = servers.launch(name, model_dir, weights, slots, context, args.threads, probe, cache) \
             if name else None
         started = {"startup_s": server.startup_s, "first_answer_s": server.first_answer_s, **cold} if server else {}
-        url, model = (server.url, server.model) if server else (args.base_url, args.model)
-        yield lambda workload: {**_serve_http(args, server, url, model, workload, concurrency), **started}
+        yield lambda workload: {**_serve_http(args, server, workload, concurrency), **started}
     finally:
         if server:
             server.stop()
@@ -426,11 +425,12 @@ def _serve_target(args: argparse.Namespace, name: str | None, weights: str | Non
             shutil.rmtree(cache, ignore_errors=True)
 
 
-def _serve_http(args: argparse.Namespace, server: Launched | None, url: str, model: str, workload: list,
-                concurrency: int | None) -> dict:
-    """One run of the workload against a server; a soak (--duration) also samples its memory and KV use."""
+def _serve_http(args: argparse.Namespace, server: Launched | None, workload: list, concurrency: int | None) -> dict:
+    """One run of the workload against a launched server (or --base-url's when None); a soak
+    (--duration) also samples its memory and KV use."""
     from loom.bench import serve, servers
 
+    url, model = (server.url, server.model) if server else (args.base_url, args.model)
     def probe() -> dict[str, float]:  # the process's own count where it was launched here
         return {**servers.loom_gauges(url), **({"rss_bytes": server.rss_bytes()} if server else {})}
 
@@ -456,8 +456,6 @@ def _report_run(result: dict) -> dict:
               f"{k.upper()} p50 {result[k].get('median_ms', 0):.1f} / p99 {result[k].get('p99_ms', 0):.1f} ms"
               for k in ("ttft", "tpot", "itl")), flush=True)
     return result
-
-
 
 
 def _server_vocab(base_url: str) -> int:
