@@ -521,6 +521,22 @@ def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
     assert server.idle()
 
 
+def test_bench_serve_counts_failed_requests(server):
+    """A refused request and a server that is not there are errors of the run, each with its
+    reason, never an exception that loses the other requests' figures."""
+    from loom.bench.serve import ServeRequest, benchmark
+
+    workload = [ServeRequest([5, 6, 7], 3, 4)] * 3
+    refused = benchmark(server.url, "no-such-model", workload, concurrency=2)
+    assert refused["completed"] == 0 and refused["num_errors"] == 3
+    assert all(e.startswith("HTTP 404") and "no-such-model" in e for e in refused["errors"])
+    absent = benchmark(f"http://127.0.0.1:{free_port()}", "house", workload, concurrency=2)
+    assert absent["num_errors"] == 3 and all(e.startswith("ClientConnectorError") for e in absent["errors"])
+    served = benchmark(server.url, "house", workload, concurrency=2)
+    assert served["num_errors"] == 0 and served["total_output_tokens"] == 12
+    assert server.idle()
+
+
 def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
     """A soak (--duration at a --request-rate) samples the server's resident memory and KV use
     from /metrics while it runs, and finds the KV cache back to idle at its end."""
