@@ -431,6 +431,7 @@ def _serve_http(args: argparse.Namespace, server: Launched | None, workload: lis
     from loom.bench import serve, servers
 
     url, model = (server.url, server.model) if server else (args.base_url, args.model)
+
     def probe() -> dict[str, float]:  # the process's own count where it was launched here
         return {**servers.loom_gauges(url), **({"rss_bytes": server.rss_bytes()} if server else {})}
 
