@@ -77,7 +77,8 @@ def test_decode_kernel_returns_log_sum_exp():
     torch.testing.assert_close(lse[0], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_step_with_cached_prefixes_matches_dense():
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_packed_step_with_cached_prefixes_matches_dense(backend):
     """A mixed step: two decodes, a chunk on top of a cached prefix, and a fresh prompt."""
     g = torch.Generator().manual_seed(1)
     H, KVH, D, BS = 4, 2, 16, 8
@@ -100,9 +101,10 @@ def test_packed_step_with_cached_prefixes_matches_dense():
         slot_mapping=torch.tensor(slots), num_decode_tokens=2,
         decode_block_tables=torch.tensor([tables[0] + [0], tables[1]], dtype=torch.int32),
         decode_context_lens=torch.tensor([10, 21], dtype=torch.int32),
-        prefills=[PrefillSegment(2, 6, 19, torch.tensor(tables[2])), PrefillSegment(8, 11, 11, torch.tensor(tables[3]))],
+        prefills=[PrefillSegment(2, 6, 19, torch.tensor(tables[2], dtype=torch.int32)),
+                  PrefillSegment(8, 11, 11, torch.tensor(tables[3], dtype=torch.int32))],
     )
-    out = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, "cpp")
+    out = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, backend)
     full_k = [torch.cat([ks[0], k[0:1]]), torch.cat([ks[1], k[1:2]]), torch.cat([ks[2], k[2:8]]), k[8:]]
     full_v = [torch.cat([vs[0], v[0:1]]), torch.cat([vs[1], v[1:2]]), torch.cat([vs[2], v[2:8]]), v[8:]]
     row = 0
@@ -113,29 +115,44 @@ def test_packed_step_with_cached_prefixes_matches_dense():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (12, 12, 64, 16) and (9, 3, 64, 16) take the prefill kernel's AVX-512 loops where the CPU has them
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (8, 2, 32, 8),
+                                                                    (6, 3, 24, 16), (4, 1, 128, 32)])
 @pytest.mark.parametrize("prefix", [0, 21])
-def test_long_prefill_taken_in_query_chunks_matches_dense(monkeypatch, dtype, prefix):
-    """A prompt whose scores exceed the per-chunk budget is taken in chunks of queries, each
-    over the keys its queries can see; chunk edges fall mid-block and the result is unchanged."""
-    import loom.kv.attention as attention
-
-    monkeypatch.setattr(attention, "_SCORE_ELEMENTS", 8 * 70 * 7)  # 7 query rows per chunk at context 70
-    g = torch.Generator().manual_seed(3)
-    H, KVH, D, BS, n = 8, 2, 32, 8, 70 - prefix
-    cache = KVCache(1, 16, KVH, D, BS, dtype, "cpu")
-    tables, ks, vs = fill_cache(cache, 0, [prefix], KVH, D, dtype, g) if prefix else ([[]], [], [])
-    used = set(tables[0])
-    table = tables[0] + [b for b in range(16) if b not in used][: -(-70 // BS) - len(tables[0])]
-    q = torch.randn(n, H, D, generator=g).to(dtype)
-    k = torch.randn(n, KVH, D, generator=g).to(dtype)
-    v = torch.randn(n, KVH, D, generator=g).to(dtype)
-    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(prefix, 70)])
-    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSegment(0, n, 70, torch.tensor(table))])
-    out = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, "cpp")
+def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size, prefix):
+    """A chunk of 70 - prefix queries: the kernel's query tiles and key blocks end mid-way, and
+    each tile reads keys up to its last query, from blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(heads + prefix)
+    n, num_blocks = 70 - prefix, 16
+    cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, ks, vs = fill_cache(cache, 0, [prefix], kv_heads, head_dim, dtype, g) if prefix else ([[]], [], [])
+    table = tables[0] + [b for b in free if b not in tables[0]][: -(-70 // block_size) - len(tables[0])]
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(prefix, 70)])
+    meta = AttentionMetadata(slot_mapping=slots,
+                             prefills=[PrefillSegment(0, n, 70, torch.tensor(table, dtype=torch.int32))])
+    out = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
     full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
     ref = dense_attention(q, full_k, full_v, causal_offset=prefix)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_returns_log_sum_exp():
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(1, 8, 2, 16, 16, torch.float32, "cpu")
+    tables, ks, _ = fill_cache(cache, 0, [37], 2, 16, torch.float32, g)
+    q = torch.randn(20, 4, 16, generator=g)  # the last 20 of the 37 stored tokens
+    _, lse = torch.ops.loom.paged_prefill_attention(q, cache.keys[0], cache.values[0],
+                                                    torch.tensor(tables[0], dtype=torch.int32), 37, None, 0.25)
+    k = ks[0].repeat_interleave(2, 1)  # [L, H, D]
+    s = torch.einsum("nhd,lhd->nhl", q, k) * 0.25
+    hidden = torch.arange(37)[None, :] > torch.arange(17, 37)[:, None]
+    ref = s.masked_fill(hidden[:, None, :], float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(lse, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
@@ -177,7 +194,7 @@ def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
     assert bm.allocate(slots, n)
     stored = slots.num_tokens
     q = torch.randn(n, H, D, generator=g)
-    seg = PrefillSegment(0, n, stored + n, torch.tensor(slots.blocks_for(stored + n)),
+    seg = PrefillSegment(0, n, stored + n, torch.tensor(slots.blocks_for(stored + n), dtype=torch.int32),
                          key_positions=torch.tensor(slots.positions + [L + 1, L + 2, L + 3]))
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots.slots(stored, stored + n)), prefills=[seg])
     out = paged_attention(q, k[L + 1:], v[L + 1:], cache, 0, meta, D ** -0.5, backend)
@@ -192,8 +209,10 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     import subprocess
     import sys
 
-    code = ("from loom.bench.attention import run; import torch; "
-            "r = run(2, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1); "
-            "print(sorted(r))")
+    code = ("from loom.bench.attention import run, run_prefill; import torch; "
+            "print(sorted(run(2, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1))); "
+            "print(sorted(run_prefill(8, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "'contiguous_sdpa_ms'" in out and "'paged_ms'" in out
+    decode, prefill = out.splitlines()
+    assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode
+    assert "'paged_GFLOPs'" in prefill and "'contiguous_sdpa_ms'" in prefill

@@ -1,5 +1,6 @@
-"""Cost of paging: one decode step's attention read from the block pool (scattered blocks)
-against `scaled_dot_product_attention` on a contiguous cache of the same shapes."""
+"""Cost of paging: one layer's attention read from the block pool (scattered blocks) against
+`scaled_dot_product_attention` on a contiguous cache of the same shapes: a decode step of a
+batch, and a prompt chunk on top of a cached prefix."""
 from __future__ import annotations
 
 import statistics
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.kernels import load_kernels
-from loom.kv.attention import paged_decode_attention
+from loom.kv.attention import PrefillSegment, paged_decode_attention, prefill_attention
 from loom.kv.cache import KVCache
 
 
@@ -23,16 +24,33 @@ def _time(fn, repeats: int) -> list[float]:
     return times
 
 
-def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-        rounds: int = 7, repeats: int = 10) -> dict:
-    load_kernels()
-    g = torch.Generator().manual_seed(0)
+def _interleaved(first, second, rounds: int, repeats: int) -> tuple[float, float]:
+    """Medians over rounds (each the median of `repeats` calls), the two alternating so that
+    machine noise hits both alike."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(statistics.median(_time(first, repeats)))
+        b.append(statistics.median(_time(second, repeats)))
+    return statistics.median(a), statistics.median(b)
+
+
+def _pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+          g: torch.Generator) -> tuple[KVCache, torch.Tensor]:
+    """A one-layer pool of random k/v and `batch` block tables covering `context` tokens each,
+    their blocks scattered over the pool, as after many requests came and went."""
     blocks_per_seq = -(-context // block_size)
     cache = KVCache(1, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu")
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
-    # blocks scattered over the pool, as after many requests came and went
-    tables = torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32)
+    return cache, torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32)
+
+
+def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+        rounds: int = 7, repeats: int = 10) -> dict:
+    """A decode step: `batch` queries, each over its own `context` cached tokens."""
+    load_kernels()
+    g = torch.Generator().manual_seed(0)
+    cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g)
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)
@@ -45,11 +63,37 @@ def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
     def contiguous():
         F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
 
-    paged_t, contig_t = [], []
-    for _ in range(rounds):  # interleaved so that machine noise hits both alike
-        paged_t.append(statistics.median(_time(paged, repeats)))
-        contig_t.append(statistics.median(_time(contiguous, repeats)))
-    p, c = statistics.median(paged_t), statistics.median(contig_t)
+    p, c = _interleaved(paged, contiguous, rounds, repeats)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
     return {"dtype": str(dtype).removeprefix("torch."), "paged_ms": p * 1e3, "contiguous_sdpa_ms": c * 1e3,
             "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9, "contiguous_GBps": kv_bytes / c / 1e9}
+
+
+def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, rounds: int = 7, repeats: int = 5) -> dict:
+    """A prompt chunk: the last `tokens` of `context` attend causally over the blocks, against
+    SDPA over a contiguous copy of the same keys with the [tokens, context] causal mask."""
+    load_kernels()
+    g = torch.Generator().manual_seed(0)
+    cache, tables = _pool(1, context, kv_heads, head_dim, block_size, dtype, g)
+    seg = PrefillSegment(start=0, num_tokens=tokens, context_len=context, block_ids=tables[0])
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    k, v = cache.gather(0, tables[0], context)
+    k, v = k.contiguous(), v.contiguous()
+    visible = torch.arange(context)[None, :] <= torch.arange(context - tokens, context)[:, None]
+    scale = head_dim ** -0.5
+
+    def paged():
+        prefill_attention(q, cache, 0, seg, scale, "cpp")
+
+    def contiguous():
+        F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible, scale=scale,
+                                       enable_gqa=kv_heads != heads)
+
+    p, c = _interleaved(paged, contiguous, rounds, repeats)
+    # q.k and p.v over the keys each query sees: 2 x 2 x head_dim flops per (query head, key)
+    pairs = tokens * (context - tokens) + tokens * (tokens + 1) // 2
+    flops = 4 * heads * head_dim * pairs
+    return {"dtype": str(dtype).removeprefix("torch."), "paged_ms": p * 1e3, "contiguous_sdpa_ms": c * 1e3,
+            "ratio_paged_over_contiguous": p / c, "paged_GFLOPs": flops / p / 1e9,
+            "contiguous_GFLOPs": flops / c / 1e9}

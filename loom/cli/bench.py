@@ -44,10 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests the batch-1 peer runs (its rate is measured on this prefix of the workload)")
     t.set_defaults(func=_throughput)
 
-    a = sub.add_parser("attention", help="paged decode attention vs contiguous SDPA")
+    a = sub.add_parser("attention", help="paged decode and prefill attention vs contiguous SDPA")
     common(a)
     a.add_argument("--batch", type=int, default=16)
     a.add_argument("--context", type=int, default=1024)
+    a.add_argument("--prefill-tokens", type=int, default=512,
+                   help="the prefill case's chunk: the last this many of --context tokens")
     a.set_defaults(func=_attention)
 
     n = sub.add_parser("parallel", help="n samples forked from one prefill vs n separate requests")
@@ -194,18 +196,24 @@ def _attention(args: argparse.Namespace) -> None:
 
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
-    rows = [attention.run(args.batch, args.context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, dtype)
-            for dtype in (torch.float32, torch.bfloat16)]
-    for r in rows:
-        print(f"[{r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
-              f"ratio {r['ratio_paged_over_contiguous']:.3f}")
-    path = write_report("paged_attention", {"batch": args.batch, "context": args.context, "heads": cfg.num_heads,
+    dtypes = (torch.float32, torch.bfloat16)
+    shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16)
+    decode = [attention.run(args.batch, args.context, *shape, dtype) for dtype in dtypes]
+    prefill = [attention.run_prefill(args.prefill_tokens, args.context, *shape, dtype) for dtype in dtypes]
+    for case, rows in (("decode", decode), ("prefill", prefill)):
+        for r in rows:
+            print(f"[{case} {r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
+                  f"ratio {r['ratio_paged_over_contiguous']:.3f}")
+    path = write_report("paged_attention", {"batch": args.batch, "context": args.context,
+                                            "prefill_tokens": args.prefill_tokens, "heads": cfg.num_heads,
                                             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                                            "block_size": 16, "results": rows}, args.out_dir)
-    labels = [f"{name}\n{r['dtype']}" for r in rows for name in ("Loom paged", "SDPA contiguous")]
-    values = [v for r in rows for v in (r["paged_ms"], r["contiguous_sdpa_ms"])]
-    bar_plot(path.with_suffix(".png"), f"Decode attention, batch {args.batch}, context {args.context}", labels,
-             values, "ms per layer (median)")
+                                            "block_size": 16, "results": decode, "prefill": prefill}, args.out_dir)
+    labels = [f"{case}\n{name}\n{r['dtype']}" for case, rows in (("decode", decode), ("prefill", prefill))
+              for r in rows for name in ("Loom paged", "SDPA")]
+    values = [v for rows in (decode, prefill) for r in rows for v in (r["paged_ms"], r["contiguous_sdpa_ms"])]
+    bar_plot(path.with_suffix(".png"), f"Attention of one layer: decode at batch {args.batch}, context "
+             f"{args.context}; prefill of the last {args.prefill_tokens} tokens", labels, values,
+             "ms per layer (median)")
     print(f"wrote {path}")
 
 

@@ -133,7 +133,7 @@ class ModelRunner:
             positions += range(start, start + n)
             slots += seq.kv.slots(stored, stored + n)
             if i >= batch.num_decodes:
-                block_ids = torch.tensor(seq.kv.blocks_for(stored + n), dtype=torch.long, device=self.device)
+                block_ids = torch.tensor(seq.kv.blocks_for(stored + n), dtype=torch.int32, device=self.device)
                 key_positions = None if seq.kv.positions is None else torch.tensor(
                     seq.kv.positions + list(range(start, start + n)), device=self.device)
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,

@@ -4,7 +4,8 @@ The C++ sources sit beside this file. Built once per machine by torch's cpp_exte
 on disk, rebuilt when a source changes) with -march=native. Being real operators, with
 shape-only "fake" versions below, they run inside `torch.compile`d graphs as opaque calls, and
 eager calls cost no Python.
-  paged_decode_attention  decode attention over the paged KV pool (paged_attention.cpp)
+  paged_decode_attention, paged_prefill_attention  attention over the paged KV pool
+                          (paged_attention.cpp)
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
@@ -65,6 +66,10 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
 def _register_fakes() -> None:
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("loom::paged_prefill_attention")
+    def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::int8_linear")

@@ -1,9 +1,11 @@
-// Decode attention that reads K/V straight from the paged pool (no gather copy).
+// Attention that reads K/V straight from the paged pool (no gather copy), for decode rows and
+// for prefill chunks.
 //
-// One task per (sequence, kv head): the query heads of the group share each K/V row read, so
-// every cached byte is read once per step. Scores go to a small per-task buffer; softmax and
-// the weighted V sum follow. Also returns the log-sum-exp of each row (Helix merges partial
-// attention outputs with it).
+// Decode: one task per (sequence, kv head): the query heads of the group share each K/V row
+// read, so every cached byte is read once per step. Scores go to a small per-task buffer;
+// softmax and the weighted V sum follow. Prefill: the same two passes for a tile of a chunk's
+// queries at once, in register tiles (see prefill_kernel). Both also return the log-sum-exp of
+// each row (Helix merges partial attention outputs with it).
 //
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/library.h>
@@ -15,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -237,6 +240,245 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
                                    num_kv_heads, head_dim, max_blocks, scale);
 }
 
+// Prefill: a chunk's n queries are the last n of the ctx tokens stored in a sequence's blocks
+// (their k/v already written). Query i sees the stored tokens up to its own: the first
+// ctx - n + i + 1 of them, or, when `key_positions` is given (tokens were dropped and slots
+// refilled out of order), those whose position is at most its own.
+//
+// One task per (kv head, tile of kQueryTile queries). The tile's queries times the group's query
+// heads make the task's rows, which share every K and V read: a key block's row of BS tokens
+// meets kScoreRows queries in registers, a V row kValueRows probabilities. A task holds its rows'
+// scores over the keys its last row can see (rows x ctx floats: 512 KB at 8K context) and takes
+// the softmax exactly in two passes, as decode does; nothing of size [n, ctx] exists. Later tiles
+// see more keys: tasks go to threads in an order that pairs the cheapest tiles with the dearest.
+constexpr int64_t kQueryTile = 16;
+constexpr int kScoreRows = 8, kValueRows = 4;  // multiples of each other and dividing kQueryTile
+// Element types the AVX-512 loops read (fp16 stays on the portable ones).
+template <typename T>
+constexpr bool kFastType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// s[m, t] = q[m] . K[t] for kScoreRows rows and a key block's BS tokens (keys stored [D, BS]);
+// q is [D, kScoreRows] (one pointer for every row's broadcast).
+template <typename T, int BS>
+inline void tile_scores(const float* q, int64_t head_dim, const T* kblock, float* s, int64_t lds) {
+  float acc[kScoreRows][BS] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    float k[BS];
+#pragma omp simd
+    for (int t = 0; t < BS; ++t) k[t] = to_float(kblock + d * BS, t);
+    for (int m = 0; m < kScoreRows; ++m) {
+      const float qm = q[d * kScoreRows + m];
+#pragma omp simd
+      for (int t = 0; t < BS; ++t) acc[m][t] += qm * k[t];
+    }
+  }
+  for (int m = 0; m < kScoreRows; ++m)
+#pragma omp simd
+    for (int t = 0; t < BS; ++t) s[m * lds + t] = acc[m][t];
+}
+
+// out[m, d0:d0 + DC] = sum over t < visible of p[m, t] * V[t, d0:d0 + DC] for kValueRows rows.
+template <typename T, int BS, int DC>
+inline void tile_values(const float* p, int64_t ldp, const T* v_cache, const int32_t* table, int64_t visible,
+                        int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
+  float acc[kValueRows][DC] = {};
+  for (int64_t t0 = 0; t0 < visible; t0 += BS) {
+    const T* vblock = head_block(v_cache, table, t0 / BS, kvh, num_kv_heads, BS * head_dim) + d0;
+    const int64_t tokens = std::min<int64_t>(BS, visible - t0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      float v[DC];
+#pragma omp simd
+      for (int i = 0; i < DC; ++i) v[i] = to_float(vblock + t * head_dim, i);
+      for (int m = 0; m < kValueRows; ++m) {
+        const float pm = p[m * ldp + t0 + t];
+#pragma omp simd
+        for (int i = 0; i < DC; ++i) acc[m][i] += pm * v[i];
+      }
+    }
+  }
+  for (int m = 0; m < kValueRows; ++m)
+#pragma omp simd
+    for (int i = 0; i < DC; ++i) out[m * head_dim + d0 + i] = acc[m][i];
+}
+
+#ifdef __AVX512F__
+// The same two loops in 16-lane registers, for blocks of 16 tokens and head sizes that are
+// multiples of 16 (GCC vectorizes the portable ones at 256 bits here: half the rate).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <typename T>
+inline void tile_scores16(const float* q, int64_t head_dim, const T* kblock, float* s, int64_t lds) {
+  __m512 acc[kScoreRows];
+  for (int m = 0; m < kScoreRows; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m512 k = load16(kblock + d * 16);
+    for (int m = 0; m < kScoreRows; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[d * kScoreRows + m]), k, acc[m]);
+  }
+  for (int m = 0; m < kScoreRows; ++m) _mm512_storeu_ps(s + m * lds, acc[m]);
+}
+
+// C x 16 columns of V from d0 on.
+template <typename T, int BS, int C>
+inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const int32_t* table, int64_t visible,
+                          int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
+  __m512 acc[kValueRows][C];
+  for (int m = 0; m < kValueRows; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < visible; t0 += BS) {
+    const T* vblock = head_block(v_cache, table, t0 / BS, kvh, num_kv_heads, BS * head_dim) + d0;
+    const int64_t tokens = std::min<int64_t>(BS, visible - t0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16(vblock + t * head_dim + 16 * c);
+      for (int m = 0; m < kValueRows; ++m) {
+        const __m512 pm = _mm512_set1_ps(p[m * ldp + t0 + t]);
+        for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(pm, v[c], acc[m][c]);
+      }
+    }
+  }
+  for (int m = 0; m < kValueRows; ++m)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + m * head_dim + d0 + 16 * c, acc[m][c]);
+}
+#endif
+
+// Largest of s[0:n], n >= 1 (GCC leaves a plain max loop scalar and branchy, even with
+// -ffast-math).
+inline float row_max(const float* s, int64_t n) {
+  float top = s[0];
+  int64_t t = 0;
+#ifdef __AVX512F__
+  __m512 lanes = _mm512_set1_ps(top);
+  for (; t + 16 <= n; t += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(s + t));
+  top = _mm512_reduce_max_ps(lanes);
+#endif
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  return top;
+}
+
+// Turns row s[0:visible] into unnormalized probabilities (0 for keys the row cannot see, whose
+// scores may be anything) and returns its log-sum-exp; `own` is the row's own key.
+inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* key_positions, float* inv_sum) {
+  float top, sum = 0.f;
+  if (key_positions) {
+    const int64_t position = key_positions[own];
+    top = s[own];
+    for (int64_t t = 0; t < visible; ++t)
+      if (key_positions[t] <= position) top = std::max(top, s[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < visible; ++t) {
+      s[t] = key_positions[t] <= position ? std::exp(s[t] - top) : 0.f;
+      sum += s[t];
+    }
+  } else {  // the keys up to its own
+    top = row_max(s, own + 1);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t <= own; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    std::fill(s + own + 1, s + visible, 0.f);
+  }
+  *inv_sum = 1.f / sum;
+  return top + std::log(sum);
+}
+
+template <typename T, int BS>
+void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const int64_t* key_positions,
+                    T* out, float* lse, int64_t n, int64_t ctx, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, float scale) {
+  const int64_t group = num_heads / num_kv_heads, tiles = (n + kQueryTile - 1) / kQueryTile;
+  const int64_t rows = kQueryTile * group;
+  const int64_t first = ctx - n;  // stored index of the chunk's first token
+  // Fast loops: the AVX-512 ones serve this block size, head size and element type.
+#ifdef __AVX512F__
+  const bool fast = BS == 16 && kFastType<T> && head_dim % 16 == 0;
+#else
+  const bool fast = false;
+#endif
+  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    // qf holds each kScoreRows rows' queries as [D, kScoreRows]; acc the outputs [rows, D].
+    std::vector<float> qf(rows * head_dim), acc(rows * head_dim), inv_sum(rows), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kvh = task / tiles, k = task % tiles;
+      const int64_t tile = k % 2 == 0 ? k / 2 : tiles - 1 - k / 2;
+      const int64_t r0 = tile * kQueryTile, live = std::min(n - r0, kQueryTile);
+      // Keys any row of the tile can see, and the length of a row of scores (whole blocks).
+      const int64_t visible = key_positions ? ctx : first + r0 + live;
+      const int64_t lds = (visible + BS - 1) / BS * BS;
+      scores.resize(rows * lds);
+      // Row m is query r0 + m % kQueryTile of head kvh * group + m / kQueryTile. Rows past the
+      // chunk's end have zero queries and probabilities: computed, never stored.
+      std::fill(qf.begin(), qf.end(), 0.f);
+      for (int64_t m = 0; m < rows; ++m) {
+        if (m % kQueryTile >= live) continue;
+        const T* qrow = q + ((r0 + m % kQueryTile) * num_heads + kvh * group + m / kQueryTile) * head_dim;
+        float* dst = qf.data() + (m / kScoreRows) * kScoreRows * head_dim + m % kScoreRows;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i * kScoreRows] = to_float(qrow, i) * scale;
+      }
+      for (int64_t j = 0; j * BS < visible; ++j) {
+        const T* kblock = head_block(k_cache, table, j, kvh, num_kv_heads, BS * head_dim);
+        prefetch_ahead(k_cache, table, j, lds / BS, kvh, num_kv_heads, BS * head_dim);
+        for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
+          const float* qtile = qf.data() + m0 * head_dim;
+          float* s = scores.data() + m0 * lds + j * BS;
+#ifdef __AVX512F__
+          if constexpr (BS == 16 && kFastType<T>) {
+            if (fast) {
+              tile_scores16(qtile, head_dim, kblock, s, lds);
+              continue;
+            }
+          }
+#endif
+          tile_scores<T, BS>(qtile, head_dim, kblock, s, lds);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float* s = scores.data() + m * lds;
+        if (m % kQueryTile >= live) {
+          std::fill(s, s + visible, 0.f);
+          continue;
+        }
+        const int64_t r = r0 + m % kQueryTile;
+        lse[r * num_heads + kvh * group + m / kQueryTile] =
+            softmax_row(s, visible, first + r, key_positions, &inv_sum[m]);
+      }
+      for (int64_t m0 = 0; m0 < rows; m0 += kValueRows) {
+        const float* p = scores.data() + m0 * lds;
+        float* o = acc.data() + m0 * head_dim;
+        int64_t d0 = 0;
+#ifdef __AVX512F__
+        if constexpr (BS == 16 && kFastType<T>) {
+          for (; fast && d0 + 64 <= head_dim; d0 += 64)
+            tile_values16<T, BS, 4>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
+          for (; fast && d0 < head_dim; d0 += 16)
+            tile_values16<T, BS, 1>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
+        }
+#endif
+        for (; d0 + 16 <= head_dim; d0 += 16)
+          tile_values<T, BS, 16>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
+        for (; d0 < head_dim; ++d0)
+          tile_values<T, BS, 1>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        if (m % kQueryTile >= live) continue;
+        T* orow = out + ((r0 + m % kQueryTile) * num_heads + kvh * group + m / kQueryTile) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[m * head_dim + i] * inv_sum[m]);
+      }
+    }
+  });
+}
+
+// Calls run(std::integral_constant<int, BS>{}) with the pool's block size as a compile-time BS.
+template <typename F>
+void with_block_size(int64_t block_size, const char* op, F&& run) {
+  switch (block_size) {
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    default: TORCH_CHECK(false, op, " supports block sizes 8, 16 and 32, got ", block_size);
+  }
+}
+
 }  // namespace
 
 // q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
@@ -265,12 +507,48 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
                                   out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, num_heads,
                                   num_kv_heads, head_dim, block_tables.size(1), static_cast<float>(scale));
     };
-    switch (block_size) {
-      case 8: run(std::integral_constant<int, 8>{}); break;
-      case 16: run(std::integral_constant<int, 16>{}); break;
-      case 32: run(std::integral_constant<int, 32>{}); break;
-      default: TORCH_CHECK(false, "paged_decode_attention supports block sizes 8, 16 and 32, got ", block_size);
-    }
+    with_block_size(block_size, "paged_decode_attention", run);
+  });
+  return {out, lse};
+}
+
+// q [n, H, D], the chunk's queries; caches as above; block_ids [>= ceil(context_len / block_size)]
+// int32, the sequence's blocks; key_positions [context_len] int64 or None (see prefill_kernel).
+// Returns (out [n, H, D], lse [n, H] float32).
+std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                           const at::Tensor& v_cache, const at::Tensor& block_ids_in,
+                                                           int64_t context_len,
+                                                           const std::optional<at::Tensor>& key_positions_in,
+                                                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_ids_in.scalar_type() == at::kInt, "block_ids must be int32");
+  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == head_dim && v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "cache shapes");
+  TORCH_CHECK(n >= 1 && context_len >= n, "context_len must be at least the number of queries");
+  TORCH_CHECK(block_ids_in.numel() * block_size >= context_len, "block_ids cover fewer than context_len tokens");
+  const at::Tensor block_ids = block_ids_in.contiguous();
+  at::Tensor key_positions;
+  if (key_positions_in.has_value()) {
+    key_positions = key_positions_in->contiguous();
+    TORCH_CHECK(key_positions.scalar_type() == at::kLong && key_positions.numel() == context_len,
+                "key_positions must be int64 with context_len entries");
+  }
+  auto out = at::empty_like(q);
+  auto lse = at::empty({n, num_heads}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    auto run = [&](auto block_size_tag) {
+      constexpr int BS = decltype(block_size_tag)::value;
+      prefill_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                   block_ids.data_ptr<int32_t>(),
+                                   key_positions.defined() ? key_positions.data_ptr<int64_t>() : nullptr,
+                                   out.data_ptr<scalar_t>(), lse.data_ptr<float>(), n, context_len, num_heads,
+                                   num_kv_heads, head_dim, static_cast<float>(scale));
+    };
+    with_block_size(block_size, "paged_prefill_attention", run);
   });
   return {out, lse};
 }
@@ -278,6 +556,11 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+  m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_ids, "
+        "int context_len, Tensor? key_positions, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(loom, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}

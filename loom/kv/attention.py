@@ -3,7 +3,7 @@
 A step's tokens are packed as [decode tokens | prefill chunk 1 | prefill chunk 2 | ...]. Every
 token's k/v is first written to its slot; then decode rows attend over their sequences' blocks
 (one fused kernel for the whole group) and each prefill chunk attends causally over its cached
-prefix plus itself.
+prefix plus itself, read from the blocks in place.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class PrefillSegment:
     start: int            # first row of this chunk in the packed batch
     num_tokens: int       # rows of this chunk (queries)
     context_len: int      # tokens it attends over: cached prefix + this chunk
-    block_ids: torch.Tensor  # int64 block ids covering context_len tokens
+    block_ids: torch.Tensor  # int32 block ids covering context_len tokens
     # Position of each of the context_len stored tokens, when they are not 0 .. context_len - 1
     # (tokens were dropped); the chunk's own tokens are the last num_tokens.
     key_positions: torch.Tensor | None = None
@@ -58,64 +58,28 @@ def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables:
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-                      seg: PrefillSegment, scale: float) -> torch.Tensor:
-    """One chunk's causal attention. q [n, H, D]; k, v [n, KVH, D] are the chunk's own keys."""
+def prefill_attention(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillSegment, scale: float,
+                      backend: str) -> torch.Tensor:
+    """One chunk's causal attention over its sequence's blocks (the chunk's own k/v included).
+    q [n, H, D] -> [n, H, D]."""
+    if backend == "cpp":
+        out, _lse = torch.ops.loom.paged_prefill_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+                                                           seg.block_ids, seg.context_len, seg.key_positions, scale)
+        return out
+    return _prefill_reference(q, cache, layer, seg, scale)
+
+
+def _prefill_reference(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillSegment,
+                       scale: float) -> torch.Tensor:
+    """Plain PyTorch: gather the sequence's tokens and run SDPA with the causal mask spelled out."""
     n = seg.num_tokens
-    qh = q.transpose(0, 1)  # [H, n, D]
-    gqa = k.shape[1] != q.shape[1]
-    if seg.context_len == n:  # no cached prefix: attend over the fresh k/v directly
-        kc, vc = k.transpose(0, 1), v.transpose(0, 1)
-    else:
-        kc, vc = cache.gather(layer, seg.block_ids, seg.context_len)
-    if q.device.type == "cpu":
-        return _causal_by_matmul(qh, kc, vc, seg.key_positions, scale).transpose(0, 1)
-    if seg.context_len == n and seg.key_positions is None:
-        return F.scaled_dot_product_attention(qh, kc, vc, is_causal=True, scale=scale,
-                                              enable_gqa=gqa).transpose(0, 1)
-    # Every query sees the keys at positions up to its own.
+    k, v = cache.gather(layer, seg.block_ids, seg.context_len)
     keys = seg.key_positions
-    if keys is None:  # stored token i is at position i; query i sits at context_len - n + i
+    if keys is None:  # stored token i is at position i
         keys = torch.arange(seg.context_len, device=q.device)
-    mask = keys.unsqueeze(0) <= keys[-n:].unsqueeze(1)
-    return F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
-
-
-# fp32 scores held at once by _causal_by_matmul (2 MiB, about an L2 cache): queries are taken in
-# chunks below it, which also skips most of the causally hidden scores.
-_SCORE_ELEMENTS = 1 << 19
-
-
-def _causal_by_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
-    """q [H, n, D] (the last n of the context), k/v [KVH, ctx, D] -> [H, n, D], in fp32 batched
-    matmuls over chunks of queries. On CPU, torch's SDPA reached 23-44 GFLOP/s here (2 cores, n
-    512-1024), this 2-3x that. When the stored tokens are in position order (key_positions None)
-    each chunk reads only the keys its last query can see and masks only the square it shares
-    with them."""
-    heads, n, dim = q.shape
-    kv_heads, ctx = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    rows = max(1, min(n, _SCORE_ELEMENTS // (heads * ctx)))
-    kt = k.float().transpose(1, 2)  # [KVH, D, ctx]
-    vf = v.float()
-    qg = (q.float() * scale).view(kv_heads, group, n, dim)
-    out = torch.empty_like(q)
-    if key_positions is None:  # query i of a chunk sees the square's columns up to i
-        square_hidden = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        visible = ctx - n + r1 if key_positions is None else ctx
-        scores = torch.matmul(qg[:, :, r0:r1], kt[:, None, :, :visible])  # [KVH, g, rows, visible]
-        if key_positions is None:
-            m = r1 - r0
-            scores[..., visible - m:].masked_fill_(square_hidden[:m, :m], float("-inf"))
-        else:
-            hidden = key_positions.unsqueeze(0) > key_positions[ctx - n + r0:ctx - n + r1].unsqueeze(1)
-            scores.masked_fill_(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[:, r0:r1] = torch.matmul(probs, vf[:, None, :visible]).view(heads, r1 - r0, dim).to(q.dtype)
-    return out
+    visible = keys.unsqueeze(0) <= keys[-n:].unsqueeze(1)  # each query sees keys up to its position
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible, scale=scale,
+                                          enable_gqa=k.shape[0] != q.shape[1]).transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
@@ -129,5 +93,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                           meta.decode_context_lens, scale, backend)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_tokens)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], cache, layer, seg, scale)
+        out[rows] = prefill_attention(q[rows], cache, layer, seg, scale, backend)
     return out
