@@ -389,11 +389,9 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
   const int64_t group = num_heads / num_kv_heads, tiles = (n + kQueryTile - 1) / kQueryTile;
   const int64_t rows = kQueryTile * group;
   const int64_t first = ctx - n;  // stored index of the chunk's first token
-  // Fast loops: the AVX-512 ones serve this block size, head size and element type.
 #ifdef __AVX512F__
+  // The AVX-512 loops serve this block size, head size and element type.
   const bool fast = BS == 16 && kFastType<T> && head_dim % 16 == 0;
-#else
-  const bool fast = false;
 #endif
   at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     // qf holds each kScoreRows rows' queries as [D, kScoreRows]; acc the outputs [rows, D].
