@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from loom.kv.policy import check_kv_policy
 from loom.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,8 +54,15 @@ class CacheConfig:
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     swap_space: int = 1 << 30  # bytes of second-tier KV storage, allocated in swap preemption mode
+    # KV-cache compression for requests that do not choose theirs (loom/kv/policy.py)
+    kv_policy: str = "full"
+    kv_budget: int | float | None = None
 
     def __post_init__(self) -> None:
+        check_kv_policy(self.kv_policy, self.kv_budget)
+        if self.kv_policy != "full" and self.kv_budget is None:
+            raise ValueError(f"kv_budget: the {self.kv_policy} policy needs a budget (a fraction of the prompt "
+                             "or a token count)")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size: must be 8, 16 or 32, got {self.block_size}")
         m = self.kv_cache_memory

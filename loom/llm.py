@@ -31,13 +31,15 @@ class LLM:
                  max_model_len: int | None = None, preemption_mode: str = "recompute",
                  swap_space: int = 1 << 30, seed: int = 0, device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, group_size: int = 32, enforce_eager: bool | None = None) -> None:
+                 quantization: str | None = None, group_size: int = 32, enforce_eager: bool | None = None,
+                 kv_policy: str = "full", kv_budget: int | float | None = None) -> None:
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
+                              enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
+                              kv_policy=kv_policy, kv_budget=kv_budget),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len or 0, preemption_mode=preemption_mode),

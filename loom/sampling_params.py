@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from loom.kv.policy import check_kv_policy
+
 MAX_LOGPROBS = 20        # top-N logprobs a request may ask for (per token)
 MAX_STOP_STRINGS = 32
 MAX_N = 64
@@ -47,11 +49,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what the engine's step outputs carry
+    # KV-cache compression (loom/kv/policy.py); None takes the engine's setting
+    kv_policy: str | None = None       # "full", "window", "streaming"
+    kv_budget: int | float | None = None  # tokens kept: a fraction of the prompt (float) or a count (int)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check_types()
+        check_kv_policy(self.kv_policy, self.kv_budget)
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         checks = [
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n),

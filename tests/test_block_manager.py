@@ -199,7 +199,7 @@ def test_usage_counts_shared_blocks_once():
 
 
 def test_drop_fills_holes_from_the_tail_and_frees_blocks():
-    bm = BlockManager(8, BS)
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
     s = seq(range(11))  # blocks [0..3] [4..7] [8..10]
     compute(bm, s, 11)
     b0, b1, b2 = s.block_table
@@ -208,11 +208,37 @@ def test_drop_fills_holes_from_the_tail_and_frees_blocks():
     assert s.kv.positions == [0, 8, 2, 3, 4, 9, 10, 7]
     assert sorted(bm.take_moves()) == sorted([(b2 * BS, b0 * BS + 1), (b2 * BS + 1, b1 * BS + 1),
                                               (b2 * BS + 2, b1 * BS + 2)])
-    assert bm.num_cached_blocks == 0  # both full blocks had holes filled: their content changed
-    assert bm.match_prefix(list(range(9))) == []
     s.tokens.append(99)
     compute(bm, s, 1)  # a new token goes to stored index 8, keeping its own position
     assert s.kv.positions[-1] == 11 and s.kv.num_tokens == 9 and len(s.block_table) == 3
+
+
+def test_drop_never_writes_into_a_cached_block():
+    """A block the prefix cache lists keeps its content for later requests: the dropping
+    sequence moves to a copy, and the cached prefix still matches in full."""
+    bm = BlockManager(8, BS)
+    s = seq(range(11))
+    compute(bm, s, 11)
+    b0, b1, b2 = s.block_table
+    assert bm.num_cached_blocks == 2
+    assert bm.drop(s.kv, [1, 5, 6])
+    c0, c1 = s.block_table
+    assert {c0, c1}.isdisjoint({b0, b1, b2})
+    moves = dict((dst, src) for src, dst in bm.take_moves())
+    assert moves[c0 * BS] == b0 * BS and moves[c0 * BS + 1] == b2 * BS and moves[c1 * BS + 2] == b2 * BS + 2
+    assert bm.match_prefix(list(range(9))) == [b0, b1]
+    assert bm.num_free_blocks == 6  # the cached blocks are evictable again: reusable space
+    s.tokens.append(99)
+    compute(bm, s, 1)  # a dropping map enters nothing into the cache
+    assert bm.num_cached_blocks == 2
+
+    # With no block to copy to, a cached block is written in place and leaves the cache.
+    bm = BlockManager(3, BS)
+    s = seq(range(11))
+    compute(bm, s, 11)
+    b0, b1, _ = s.block_table
+    assert bm.num_free_blocks == 0 and bm.drop(s.kv, [1, 5, 6])
+    assert s.block_table == [b0, b1] and bm.num_cached_blocks == 0 and bm.match_prefix(list(range(9))) == []
 
 
 def test_drop_into_a_shared_block_copies_it_first():

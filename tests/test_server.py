@@ -65,6 +65,15 @@ def test_completions_equal_offline_streamed_or_not(client, offline):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_kv_compression_fields(client, offline):
+    prompt = PROMPTS[2]
+    want = offline.generate(prompt, greedy(kv_policy="streaming", kv_budget=8), use_tqdm=False)[0].outputs[0].text
+    assert want != offline.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].text
+    got = client.completions.create(model="house", prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"kv_policy": "streaming", "kv_budget": 8})
+    assert got.choices[0].text == want
+
+
 def test_chat_equals_offline_streamed_or_not(client, offline):
     messages = [{"role": "user", "content": "Who is JULIET?"}]
     want = offline.chat(messages, greedy(32), use_tqdm=False)[0].outputs[0]
@@ -310,6 +319,9 @@ HOSTILE = [
     ({"prompt": "x", "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
     ({"prompt": "x", "model": 5}, "model"),
     ({"prompt": "x", "echo": True, "logprobs": 1000}, "logprobs"),
+    ({"prompt": "x", "kv_policy": "lru"}, "kv_policy"),
+    ({"prompt": "x", "kv_policy": "window", "kv_budget": 2.5}, "kv_budget"),
+    ({"prompt": "x", "kv_policy": "streaming", "kv_budget": 0.5}, "kv_budget"),  # no room past the sinks
 ]
 
 

@@ -11,6 +11,11 @@ import os
 import threading
 
 from loom.cli.generate import add_engine_args
+from loom.kv.policy import KV_POLICIES
+
+
+def _kv_budget(text: str) -> int | float:
+    return int(text) if text.isdigit() else float(text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,6 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: sized by Loom)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None)
     p.add_argument("--enforce-eager", action="store_true", help="never compile decode steps")
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default="full",
+                   help="KV-cache compression for requests that do not choose their own (kv_policy)")
+    p.add_argument("--kv-budget", type=_kv_budget, default=None,
+                   help="tokens a compressed sequence keeps: a fraction of its prompt (0.5) or a count (512)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.set_defaults(func=_serve)
 
@@ -53,7 +62,8 @@ def _serve(args: argparse.Namespace) -> None:
         try:
             llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                      quantization=args.quantization, enforce_eager=True if args.enforce_eager else None)
+                      quantization=args.quantization, enforce_eager=True if args.enforce_eager else None,
+                      kv_policy=args.kv_policy, kv_budget=args.kv_budget)
             loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record)
             print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
         except BaseException as error:  # reported by the main thread once the server stops

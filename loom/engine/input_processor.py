@@ -13,6 +13,7 @@ from loom.engine.beam_search import BeamState
 from loom.engine.sequence import Request
 from loom.engine.stop_checker import eos_token_ids
 from loom.kv.block_manager import SlotMap
+from loom.kv.policy import KVPolicy
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -60,11 +61,17 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: stop strings need a tokenizer; {self.config.model} has none (use stop_token_ids)")
 
+    def kv_policy(self, params: SamplingParams, num_prompt_tokens: int) -> KVPolicy | None:
+        """The request's KV compression: its own fields, else the engine's."""
+        cache = self.config.cache
+        return KVPolicy.resolve(params.kv_policy or cache.kv_policy,
+                                cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens)
+
     def request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """A validated request with its first sequence; a bad one raises ValueError."""
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
-        request = Request(request_id, text, token_ids, params)
+        request = Request(request_id, text, token_ids, params, kv_policy=self.kv_policy(params, len(token_ids)))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
@@ -89,7 +96,7 @@ class InputProcessor:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
-        request = Request(request_id, text, token_ids, params)
+        request = Request(request_id, text, token_ids, params, kv_policy=self.kv_policy(params, len(token_ids)))
         request.beam = BeamState(beam_width, max_tokens, length_penalty,
                                  set() if ignore_eos else set(self.eos_token_ids),
                                  self.tokenizer.decode if self.tokenizer is not None else None)

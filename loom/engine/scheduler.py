@@ -10,8 +10,9 @@ preempted (swapped out, or its blocks freed to be recomputed later from its toke
 back to the front of its queue, so the oldest requests always make progress: nothing starves.
 
 The scheduler owns the block manager and every sequence's place in the queues; after the model
-ran, `postprocess` records the computed tokens, appends the sampled ones, forks n > 1 samples
-and beams, and finishes and frees what stops.
+ran, `postprocess` records the computed tokens, drops what a request's KV policy no longer
+keeps, appends the sampled ones, forks n > 1 samples and beams, and finishes and frees what
+stops.
 """
 from __future__ import annotations
 
@@ -186,6 +187,8 @@ class Scheduler:
             self.block_manager.commit(seq.kv, n, seq.num_computed_tokens, seq.token_ids)
             seq.num_computed_tokens += n
             request = seq.request
+            if request.kv_policy is not None:
+                self._compress(seq)
             for position, logprobs in result.prompt_logprobs or ():
                 request.prompt_logprobs[position] = logprobs
             if result.sample is None:  # mid-prompt
@@ -202,6 +205,17 @@ class Scheduler:
                 if request.finished:
                     changed[request.request_id] = request
         return list(changed.values())
+
+    def _compress(self, seq: Sequence) -> None:
+        """Drops what the request's KV policy no longer keeps, once the whole prompt is stored
+        (before n > 1 samples fork from it). Without a free block for a copy-on-write the drop
+        waits for a later step."""
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            return
+        kv = seq.kv
+        drop = seq.request.kv_policy.tokens_to_drop(kv.positions if kv.positions is not None else range(kv.num_tokens))
+        if drop:
+            self.block_manager.drop(kv, drop)
 
     def _append_samples(self, seq: Sequence, sample: SampleResult) -> None:
         """The first token continues `seq`; each further one (n > 1, at the end of the

@@ -12,6 +12,7 @@ import torch
 from loom.detokenizer import IncrementalDetokenizer
 from loom.engine.beam_search import BeamState
 from loom.kv.block_manager import SlotMap
+from loom.kv.policy import KVPolicy
 from loom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -145,6 +146,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beam: BeamState | None = None  # set for a beam search request; seqs are then its live beams
+    kv_policy: KVPolicy | None = None  # KV compression of its sequences; None keeps every token
     num_created: int = 0  # sequences made so far (each gets the next index)
     num_finished: int = 0  # of its n samples
     aborted: bool = False

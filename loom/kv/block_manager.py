@@ -15,7 +15,9 @@ their tokens while the blocks sit in swap slots.
 
 Any stored token can be dropped (`drop`, for a KV policy): the last stored tokens move into the
 holes, so a sequence's stored tokens always fill its first slots and attention reads them as it
-reads any other; blocks left empty go back to the pool.
+reads any other; blocks left empty go back to the pool. A map that dropped tokens enters no
+block into the prefix cache; its drops write into a block the cache lists only when the pool
+has no block left to copy it to (the block then leaves the cache).
 """
 from __future__ import annotations
 
@@ -200,9 +202,10 @@ class BlockManager:
 
     def drop(self, slots: SlotMap, indices: Iterable[int]) -> bool:
         """Drops the stored tokens at `indices`. The last stored tokens that stay move into the
-        holes that stay; a shared block receiving one is copied first (the copy and the move
-        become one set of slot moves), a cached one leaves the prefix cache, emptied blocks are
-        freed. Returns False, changing nothing, if a copy finds no free block."""
+        holes that stay; a block receiving one that others share is copied first (the copy and
+        the move become one set of slot moves), and so is one the prefix cache lists while there
+        is room, so the cache keeps serving it; emptied blocks are freed. Returns False,
+        changing nothing, if a copy of a shared block finds no free block."""
         bs, n = self.block_size, slots.num_tokens
         dropped = set(indices)
         if not dropped:
@@ -212,13 +215,24 @@ class BlockManager:
         kept = n - len(dropped)
         holes = sorted(i for i in dropped if i < kept)
         fills = [i for i in range(kept, n) if i not in dropped]  # as many as holes
-        shared = sorted({h // bs for h in holes if self.blocks[slots.block_ids[h // bs]].ref_count > 1})
-        if len(shared) > self.num_free_blocks:
+        # A block others hold is never written: its content moves to a copy. So is one the prefix
+        # cache lists, while free blocks remain; without one it is written and leaves the cache.
+        written = sorted({h // bs for h in holes})
+        to_copy = [b for b in written if self.blocks[slots.block_ids[b]].ref_count > 1]
+        if len(to_copy) > self.num_free_blocks:
             return False
+        cached = [b for b in written if b not in to_copy and self.blocks[slots.block_ids[b]].hash is not None]
+        spare = self.num_free_blocks - len(to_copy)
+        to_copy += cached[:spare]
+        for b in cached[spare:]:
+            block = self.blocks[slots.block_ids[b]]
+            del self._cached[block.hash]
+            block.hash = None
         source = {}  # slot -> the slot whose content it takes
-        for b in shared:
-            old, fresh = slots.block_ids[b], self._take_free()
-            self.blocks[old].ref_count -= 1
+        copied = [(b, slots.block_ids[b], self._take_free()) for b in to_copy]
+        for b, old, fresh in copied:
+            # Released only now, so no copy of this drop lands in it; the moves read it before any step writes.
+            self._release(old)
             slots.block_ids[b] = fresh
             source.update({fresh * bs + i: old * bs + i for i in range(bs)})
         old_slots = dict(source)
@@ -226,11 +240,6 @@ class BlockManager:
             f_slot = slots.block_ids[f // bs] * bs + f % bs
             source[slots.block_ids[h // bs] * bs + h % bs] = old_slots.get(f_slot, f_slot)
         self._pending_moves += [(src, dst) for dst, src in source.items() if src != dst]
-        for b in {h // bs for h in holes}:  # its content changes: no longer the cached prefix block
-            block = self.blocks[slots.block_ids[b]]
-            if block.hash is not None:
-                del self._cached[block.hash]
-                block.hash = None
         positions = slots.positions if slots.positions is not None else list(range(n))
         for h, f in zip(holes, fills):
             positions[h] = positions[f]

@@ -40,6 +40,9 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
+    # Loom's: KV-cache compression (loom/kv/policy.py)
+    kv_policy: str | None = None
+    kv_budget: int | float | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
@@ -47,7 +50,7 @@ class SamplingRequest(BaseModel):
         given = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-            "stop_token_ids")}
+            "stop_token_ids", "kv_policy", "kv_budget")}
         return SamplingParams(
             **{name: value for name, value in given.items() if value is not None},
             stop=self.stop or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
