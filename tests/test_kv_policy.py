@@ -202,3 +202,50 @@ def test_parallel_samples_and_beams_stay_within_the_bound(gqa):
         llm.engine.add_beam_request({"prompt_token_ids": p}, beam_width=3, max_tokens=20, ignore_eos=True)
     beams = BoundChecker(llm).run()
     assert all(len(o.outputs) == 3 and all(len(b.token_ids) == 20 for b in o.outputs) for o in beams)
+
+
+def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
+    """The bench's own bookkeeping on a tiny model: every case decodes, compressed sequences hold
+    less KV, and the same memory runs more of them at once (its timings are not checked)."""
+    import json
+
+    from loom.cli import main
+
+    model_dir, _ = gqa
+    main(["bench", "kv-speed", "--model", str(model_dir), "--dtype", "float32", "--batch", "2", "--prompt-len", "64",
+          "--output-len", "16", "--capacity-requests", "6", "--out-dir", str(tmp_path)])
+    report = json.loads((tmp_path / "kv_speed.json").read_text())
+    decode, capacity = report["decode"], report["capacity"]
+    assert [(d["policy"], d["budget"]) for d in decode] == [(c["policy"], c["budget"]) for c in capacity] == [
+        ("full", None), ("window", 0.5), ("window", 0.25), ("streaming", 0.5), ("streaming", 0.25)]
+    per_slot = 2 * 2 * 2 * 8 * 4  # k and v, 2 layers, 2 kv heads, head dim 8, fp32
+    assert decode[0]["kv_bytes_per_seq"] == 80 * per_slot  # 64 + 16 tokens in five blocks of 16
+    assert decode[2]["kv_bytes_per_seq"] == 16 * per_slot  # the 16 kept, between steps
+    assert all(d["decode_tok_per_s"] > 0 for d in decode)
+    assert capacity[0]["largest_batch"] == 2 and capacity[2]["largest_batch"] > 2
+    assert (tmp_path / "kv_speed.png").is_file() and "wrote" in capsys.readouterr().out
+
+
+def test_kv_quality_bench_scores_every_policy_and_budget(tmp_path, capsys):
+    """On the house model: the full cache scores ROUGE 1 against itself, every policy and
+    budget gets a row, and the smallest budgets change generations and lose needles."""
+    import json
+
+    from conftest import SHARED
+    from loom.bench.kv_quality import BUDGETS
+    from loom.cli import main
+
+    corpus = SHARED / "corpora" / "tinyshakespeare.txt"
+    if not corpus.is_file():
+        pytest.skip("../shared/corpora/tinyshakespeare.txt not found (a user's clone without the shared fixtures)")
+    main(["bench", "kv-quality", "--corpus", str(corpus), "--prompts", "6", "--prompt-len", "160", "--max-tokens",
+          "24", "--needles", "8", "--needle-context", "320", "--out-dir", str(tmp_path)])
+    rows = json.loads((tmp_path / "kv_quality.json").read_text())["rows"]
+    assert rows[0]["policy"] == "full" and rows[0]["rouge1"] == rows[0]["rougeL"] == 1.0
+    assert [(r["policy"], r["budget"]) for r in rows[1:]] == [(p, b) for p in ("window", "streaming") for b in BUDGETS]
+    assert all(0 <= r[k] <= 1 for r in rows for k in ("rouge1", "rouge2", "rougeL", "needle_accuracy"))
+    smallest = [r for r in rows if r["budget"] == BUDGETS[0]]
+    assert all(r["rougeL"] < 1 for r in smallest)
+    # 10% of 320 tokens keeps little beyond the question itself: most needles are lost.
+    assert min(r["needle_accuracy"] for r in smallest) < rows[0]["needle_accuracy"]
+    assert (tmp_path / "kv_quality.png").is_file() and "wrote" in capsys.readouterr().out

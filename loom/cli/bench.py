@@ -1,5 +1,5 @@
-"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix | serve`: each
-writes docs/benchmarks/<name>.json and .png."""
+"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix | serve | kv-quality |
+kv-speed`: each writes docs/benchmarks/<name>.json and .png."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from loom.bench.serve import ServeRequest
     from loom.bench.servers import Launched
+
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "corpora" / "tinyshakespeare.txt"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,8 +83,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")
     common(q, default_model="the house model")
-    q.add_argument("--corpus", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "corpora"
-                   / "tinyshakespeare.txt", help="text whose last 10%% is scored (the house model trained on the rest)")
+    q.add_argument("--corpus", type=Path, default=SHAKESPEARE,
+                   help="text whose last 10%% is scored (the house model trained on the rest)")
     q.add_argument("--needles", type=int, default=None,
                    help="fresh needles per context length (default: 200 for the house model, whose format they "
                         "are, else none)")
@@ -132,6 +134,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--out-dir", type=Path, default=None)
     sv.set_defaults(func=_serve_bench)
+
+    kv = sub.add_parser("kv-speed", help="KV compression: decode speed, KV memory per sequence, largest batch")
+    common(kv, "the 134M random reference Llama, 4096 positions")
+    kv.add_argument("--dtype", default="bfloat16")
+    sizes(kv, batch=8, prompt_len=2048, output_len=256, capacity_requests=32)
+    kv.set_defaults(func=_kv_speed)
+
+    kq = sub.add_parser("kv-quality", help="KV compression: ROUGE against the full cache and needles, per budget")
+    common(kq, default_model="the house model")
+    kq.add_argument("--dtype", default="float32")
+    kq.add_argument("--corpus", type=Path, default=SHAKESPEARE,
+                    help="text whose last 10%% gives the prompts and the needles' haystacks")
+    sizes(kq, prompts=32, prompt_len=512, max_tokens=64, needles=50, needle_context=1024)
+    kq.set_defaults(func=_kv_quality)
 
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
     common(p)
@@ -214,6 +230,75 @@ def _attention(args: argparse.Namespace) -> None:
     bar_plot(path.with_suffix(".png"), f"Attention of one layer: decode at batch {args.batch}, context "
              f"{args.context}; prefill of the last {args.prefill_tokens} tokens", labels, values,
              "ms per layer (median)")
+    print(f"wrote {path}")
+
+
+def _kv_quality(args: argparse.Namespace) -> None:
+    import torch
+
+    from loom import LLM
+    from loom.bench import kv_quality
+    from loom.bench.quality import split_corpus
+    from loom.bench.report import report_name, write_report
+    from loom.cli.generate import DEFAULT_MODEL
+
+    torch.set_num_threads(args.threads)
+    model = Path(args.model) if args.model else DEFAULT_MODEL
+    if not args.corpus.is_file():
+        raise SystemExit(f"--corpus: {args.corpus} does not exist")
+    train_text, heldout_text = split_corpus(args.corpus)
+    llm = LLM(str(model), dtype=args.dtype)
+    prompts = kv_quality.passages(llm, heldout_text, args.prompts, args.prompt_len)
+    samples = kv_quality.needles(llm, train_text, heldout_text, args.needle_context, args.needles)
+    result = kv_quality.evaluate(llm, prompts, samples, args.max_tokens)
+    for r in result["rows"]:
+        needle = "" if r["needle_accuracy"] is None else f", needles {r['needle_accuracy']:.2f}"
+        print(f"[{r['policy']} {r['budget']:.0%}] ROUGE-1 {r['rouge1']:.3f}, ROUGE-2 {r['rouge2']:.3f}, "
+              f"ROUGE-L {r['rougeL']:.3f}{needle}", flush=True)
+    path = write_report(report_name("kv_quality", model, DEFAULT_MODEL),
+                        {"model": str(model), "dtype": args.dtype, "prompts": args.prompts, "prompt_len": args.prompt_len,
+                         "max_tokens": args.max_tokens, "needles": args.needles, "needle_context": args.needle_context,
+                         **result}, args.out_dir)
+    kv_quality.plot(path.with_suffix(".png"), f"{model.name}: {args.prompts} prompts of {args.prompt_len} tokens, "
+                    f"{args.max_tokens} greedy tokens; {args.needles} needles in {args.needle_context} tokens",
+                    result["rows"])
+    print(f"wrote {path}")
+
+
+def _kv_speed(args: argparse.Namespace) -> None:
+    import torch
+
+    from loom.bench import kv_speed
+    from loom.bench.report import write_report
+    from loom.models.config import ModelConfig
+
+    torch.set_num_threads(args.threads)
+    model = Path(args.model) if args.model else kv_speed.long_context_model()
+    vocab = ModelConfig.from_dir(model).vocab_size
+    shape = dict(prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=vocab)
+    decode, capacity = [], []
+    for policy, budget in kv_speed.CASES:
+        decode.append(kv_speed.run_decode(model, args.dtype, policy, budget, args.batch, **shape))
+        d = decode[-1]
+        print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
+              f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence", flush=True)
+    # The fixed memory: what the full cache needs for the decode run's batch.
+    memory = round(decode[0]["kv_bytes_per_seq"] * args.batch)
+    for policy, budget in kv_speed.CASES:
+        capacity.append(kv_speed.run_capacity(model, args.dtype, policy, budget, memory, args.capacity_requests,
+                                              **shape))
+        c = capacity[-1]
+        print(f"[{kv_speed.label(c)}] {memory / 2**20:.0f} MiB of KV: {c['largest_batch']} sequences at once, "
+              f"{c['preemptions']} preemptions", flush=True)
+    full = decode[0]
+    for d, c in zip(decode, capacity):
+        d["decode_vs_full"] = d["decode_tok_per_s"] / full["decode_tok_per_s"]
+        c["batch_vs_full"] = c["largest_batch"] / capacity[0]["largest_batch"]
+    path = write_report("kv_speed", {"model": str(model), "dtype": args.dtype, **shape, "batch": args.batch,
+                                     "decode": decode, "capacity": capacity}, args.out_dir)
+    kv_speed.plot(path.with_suffix(".png"), f"{args.batch} prompts of {args.prompt_len} tokens, {args.output_len} "
+                  f"output tokens, {args.dtype}, {args.threads} threads; right: {args.capacity_requests} requests "
+                  f"in {memory / 2**20:.0f} MiB of KV", decode, capacity)
     print(f"wrote {path}")
 
 

@@ -1,0 +1,89 @@
+"""KV compression's quality, measured the way Keyformer reports it: greedy generations under a
+compressed cache against the full cache's generation of the same prompt (ROUGE-1/2/L
+F-measures), and needle retrieval in the house model's format, at budgets from 10% to 90% of
+the prompt, for every policy."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from loom import LLM, SamplingParams
+from loom.bench.needles import character_names, make_needle_sample
+from loom.bench.report import cpu
+from loom.kv.policy import KV_POLICIES
+
+BUDGETS = (0.1, 0.25, 0.5, 0.75, 0.9)
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+
+
+def passages(llm: LLM, text: str, count: int, length: int, seed: int = 0) -> list[dict]:
+    """`count` prompts of `length` tokens (BOS included) cut from `text` at random tokens."""
+    tok = llm.get_tokenizer()
+    ids, bos = tok.encode(text, add_special_tokens=False), tok.encode("")
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(ids) - length) for _ in range(count)]
+    return [{"prompt_token_ids": bos + ids[s:s + length - len(bos)]} for s in starts]
+
+
+def rouge(references: list[str], candidates: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F-measures of each candidate against its reference."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS))
+    scores = [scorer.score(r, c) for r, c in zip(references, candidates)]
+    return {k: sum(s[k].fmeasure for s in scores) / len(scores) for k in ROUGE_KEYS}
+
+
+def needles(llm: LLM, train_text: str, heldout_text: str, context: int, count: int, seed: int = 1234) -> list:
+    tok = llm.get_tokenizer()
+    names, lines = character_names(train_text), heldout_text.split("\n")
+    rng = random.Random(seed)
+    return [make_needle_sample(lines, names, context, lambda s: len(tok.encode(s)), rng) for _ in range(count)]
+
+
+def evaluate(llm: LLM, prompts: list[dict], samples: list, max_tokens: int) -> dict:
+    """Greedy generations of `prompts`, and needle accuracy, for every policy and budget."""
+    tok = llm.get_tokenizer()
+    answer_len = max(len(tok.encode(s.answer, add_special_tokens=False)) for s in samples) + 1 if samples else 0
+
+    def generate(policy: str, budget: float | None) -> tuple[list[str], float | None]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, kv_policy=policy, kv_budget=budget)
+        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not samples:
+            return texts, None
+        params = SamplingParams(temperature=0, max_tokens=answer_len, kv_policy=policy, kv_budget=budget)
+        outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
+        return texts, sum(o.outputs[0].text.startswith(s.answer) for s, o in zip(samples, outs)) / len(samples)
+
+    full_texts, full_needles = generate("full", None)
+    rows = [{"policy": "full", "budget": 1.0, **rouge(full_texts, full_texts), "needle_accuracy": full_needles}]
+    for policy in (p for p in KV_POLICIES if p != "full"):
+        for budget in BUDGETS:
+            texts, accuracy = generate(policy, budget)
+            rows.append({"policy": policy, "budget": budget, **rouge(full_texts, texts), "needle_accuracy": accuracy})
+    return {"rows": rows, "full_generations": full_texts[:4]}
+
+
+def plot(path: Path, title: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("rougeL", "ROUGE-L against the full cache")]
+    if rows[0]["needle_accuracy"] is not None:
+        panels.append(("needle_accuracy", "needle accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (key, ylabel) in zip(axes[0], panels):
+        for policy in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
+            mine = [r for r in rows if r["policy"] == policy]
+            ax.plot([100 * r["budget"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
+        ax.axhline(rows[0][key], color="gray", linestyle=":", label="full cache")
+        ax.set_xlabel("KV budget (% of the prompt)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}\n{cpu()['model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

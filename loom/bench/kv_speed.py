@@ -1,0 +1,112 @@
+"""KV compression's speed and memory, same run: decode of a batch of long prompts under each
+policy and budget against the full cache, and the largest batch that a fixed KV memory holds.
+
+The model is the 134M reference Llama with a longer position range (its weights are the same
+random draw), so that prompts of 2048 tokens and their outputs fit."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from loom import LLM, SamplingParams
+from loom.bench.report import cpu
+from loom.kv.cache import kv_bytes_per_block
+from loom.models.reference import REFERENCE_134M, reference_model_dir
+from loom.sampling_params import RequestOutputKind
+
+# (policy, budget as a fraction of the prompt); budget None for the full cache
+CASES = [("full", None), ("window", 0.5), ("window", 0.25), ("streaming", 0.5), ("streaming", 0.25)]
+
+
+def long_context_model() -> Path:
+    return reference_model_dir(REFERENCE_134M | {"max_position_embeddings": 4096}, name="ref-134m-4k")
+
+
+def _prompts(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(length)]} for _ in range(count)]
+
+
+def _engine(model_dir: Path, dtype: str, policy: str, budget: float | None, max_num_seqs: int, max_model_len: int,
+            kv_cache_memory: int | None = None) -> LLM:
+    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+              kv_cache_memory=kv_cache_memory, kv_policy=policy, kv_budget=budget)
+    llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4, kv_policy="full"),
+                 use_tqdm=False)
+    return llm
+
+
+def bytes_per_slot(llm: LLM) -> int:
+    config = llm.engine.config
+    m, bs = config.model_config, config.cache.block_size
+    return kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, bs, config.dtype) // bs
+
+
+def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, batch: int, prompt_len: int,
+               output_len: int, vocab_size: int, seed: int = 0) -> dict:
+    """`batch` prompts prefilled, then their decode timed alone: tok/s, time per step, and the KV
+    memory each sequence holds between decode steps (the most over the steps; a step itself adds
+    at most the block of its new token)."""
+    llm = _engine(model_dir, dtype, policy, budget, batch, prompt_len + output_len)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    for prompt in _prompts(batch, prompt_len, vocab_size, seed):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests() and (scheduler.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)):
+        engine.step()
+    generated = sum(len(s.output_token_ids) for s in scheduler.running)
+    slots_per_seq = 0.0
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        stats = llm.stats()
+        if stats.num_running:
+            slots_per_seq = max(slots_per_seq, stats.kv_slots_allocated / stats.num_running)
+    elapsed = time.perf_counter() - start
+    decoded = batch * output_len - generated
+    return {"policy": policy, "budget": budget, "batch": batch, "decode_tok_per_s": decoded / elapsed,
+            "ms_per_step": 1000 * elapsed / steps, "kv_bytes_per_seq": slots_per_seq * bytes_per_slot(llm)}
+
+
+def run_capacity(model_dir: Path, dtype: str, policy: str, budget: float | None, kv_cache_memory: int,
+                 num_requests: int, prompt_len: int, output_len: int, vocab_size: int, seed: int = 1) -> dict:
+    """`num_requests` long requests at once through a pool of `kv_cache_memory` bytes: the most
+    sequences that ran together, and how often the pool forced a preemption."""
+    llm = _engine(model_dir, dtype, policy, budget, num_requests, prompt_len + output_len, kv_cache_memory)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    for prompt in _prompts(num_requests, prompt_len, vocab_size, seed):
+        llm.engine.add_request(prompt, params)
+    most = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        most = max(most, llm.stats().num_running)
+    return {"policy": policy, "budget": budget, "kv_cache_memory": kv_cache_memory, "num_requests": num_requests,
+            "largest_batch": most, "preemptions": llm.stats().num_preemptions}
+
+
+def label(case: dict) -> str:
+    return "full" if case["budget"] is None else f"{case['policy']} {case['budget']:.0%}"
+
+
+def plot(path: Path, title: str, decode: list[dict], capacity: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, rows, key, ylabel in ((left, decode, "decode_tok_per_s", "decode tok/s"),
+                                  (right, capacity, "largest_batch", "largest batch in the same KV memory")):
+        names = [label(r) for r in rows]
+        bars = ax.bar(names, [r[key] for r in rows], color=["#888888"] + ["#4C72B0"] * (len(rows) - 1))
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(f"{title}\n{cpu()['model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
