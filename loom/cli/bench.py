@@ -168,35 +168,51 @@ def _setup(args: argparse.Namespace) -> tuple[Path, int]:
 
 
 def _throughput(args: argparse.Namespace) -> None:
+    import torch
+
+    from loom.bench import mfu
     from loom.bench import throughput as tp
     from loom.bench.report import bar_plot, write_report
+    from loom.models.config import ModelConfig
 
     model, vocab = _setup(args)
+    config = ModelConfig.from_dir(model)
     workload = tp.random_workload(args.num_requests, (32, 512), (32, 256), vocab)
+
+    def model_flops(requests: list) -> float:
+        return mfu.workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
+
     rows = []
     for dtype in args.dtypes:
+        gemm = mfu.gemm_roof(config, getattr(torch, dtype))
         loom = tp.run_loom(model, dtype, workload)
-        print(f"[{dtype}] loom: {loom['output_tok_per_s']:.1f} tok/s, busiest-step KV waste "
-              f"{loom['busiest_step']['kv_waste'] * 100:.2f}%", flush=True)
+        loom["mfu"] = model_flops(workload) / loom["seconds"] / gemm["roof"]
+        print(f"[{dtype}] loom: {loom['output_tok_per_s']:.1f} tok/s, MFU {loom['mfu']:.2f} of "
+              f"{gemm['roof'] / 1e9:.0f} GFLOP/s, busiest-step KV waste {loom['busiest_step']['kv_waste'] * 100:.2f}%",
+              flush=True)
         peers = []
         for bs in args.hf_batch_sizes:
             subset = workload[: args.hf_batch1_requests] if bs == 1 else workload
             peers.append(tp.run_hf(model, dtype, subset, bs))
-            print(f"[{dtype}] {peers[-1]['engine']}: {peers[-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+            peers[-1]["mfu"] = model_flops(subset) / peers[-1]["seconds"] / gemm["roof"]
+            print(f"[{dtype}] {peers[-1]['engine']}: {peers[-1]['output_tok_per_s']:.1f} tok/s, "
+                  f"MFU {peers[-1]['mfu']:.2f}", flush=True)
         best = max(peers, key=lambda r: r["output_tok_per_s"])
-        rows.append({"dtype": dtype, "loom": loom, "hf": peers, "best_hf": best["engine"],
+        rows.append({"dtype": dtype, "gemm_flops_per_s": gemm, "loom": loom, "hf": peers, "best_hf": best["engine"],
                      "speedup_vs_best_hf": loom["output_tok_per_s"] / best["output_tok_per_s"]})
         print(f"[{dtype}] loom / best HF = {rows[-1]['speedup_vs_best_hf']:.2f}x", flush=True)
     results = {"model": str(model), "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
                                                  "output_len": [32, 256], "ignore_eos": True, "greedy": True},
+               "mfu": "model FLOPs of the requested tokens (linear layers, LM head, attention) / seconds / the "
+                      "faster of torch's and Loom's GEMM over 512 rows of the model's layer shapes, same run",
                "results": rows}
     path = write_report("throughput", results, args.out_dir)
     labels, values = [], []
     for r in rows:
-        labels.append(f"Loom\n{r['dtype']}")
+        labels.append(f"Loom\n{r['dtype']}\nMFU {r['loom']['mfu']:.2f}")
         values.append(r["loom"]["output_tok_per_s"])
         for h in r["hf"]:
-            labels.append(f"HF b{h['batch_size']}\n{r['dtype']}")
+            labels.append(f"HF b{h['batch_size']}\n{r['dtype']}\nMFU {h['mfu']:.2f}")
             values.append(h["output_tok_per_s"])
     bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads",
              labels, values, "output tok/s")
