@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from loom.bench.report import model_label
 from loom.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ def run_offline(llm: LLM, workload: list[ServeRequest], concurrency: int) -> dic
                 result.ok = out.outputs[0].finish_reason == "length"
                 result.error = "" if result.ok else f"finished with {out.outputs[0].finish_reason}"
                 del inflight[out.request_id]
-    return {"base_url": None, "model": llm.engine.config.model, "concurrency": concurrency, "request_rate": None,
+    return {"base_url": None, "model": model_label(llm.engine.config.model), "concurrency": concurrency, "request_rate": None,
             **summarize(results, time.perf_counter() - start)}
 
 
