@@ -37,7 +37,7 @@ TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_att
 OVERHEAD_DEPTHS, OVERHEAD_BATCHES = (1, 4), (1, 32)
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int) -> float:
     """Fastest of `repeats` timed calls, after one warm-up: the least disturbed measurement."""
     fn()
     best = float("inf")
@@ -58,7 +58,7 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Peak read bandwidth in bytes/s: summing a buffer much larger than the caches."""
     import torch
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_time(lambda: x.sum(), repeats)
+    return nbytes / best_time(lambda: x.sum(), repeats)
 
 
 def _loom_linear(base: nn.Linear, dtype: str) -> nn.Module:
@@ -86,7 +86,7 @@ def gemm_flops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
 
     layer, x = _loom_linear(nn.Linear(n, n, bias=False), dtype), torch.randn(n, n, dtype=_torch_dtype(dtype))
     with torch.inference_mode():
-        return 2 * n**3 / _best_time(lambda: layer(x), repeats)
+        return 2 * n**3 / best_time(lambda: layer(x), repeats)
 
 
 def linear_bandwidth(dtypes: tuple[str, ...] = LINEAR_DTYPES, tokens: tuple[int, ...] = LINEAR_TOKENS,
@@ -112,7 +112,7 @@ def linear_bandwidth(dtypes: tuple[str, ...] = LINEAR_DTYPES, tokens: tuple[int,
         with torch.inference_mode():
             for m in tokens:
                 x = {k: torch.randn(m, k, dtype=act) for _, k in LAYER_SHAPES}
-                t = _best_time(lambda: [layer(x[layer.in_features]) for layer in layers], repeats)
+                t = best_time(lambda: [layer(x[layer.in_features]) for layer in layers], repeats)
                 rates[dtype].append(depth * layer_bytes / t)
     return rates
 
@@ -140,7 +140,7 @@ def kv_bandwidth(dtypes: tuple[str, ...] = ("fp32", "bf16"), batch: int = 8, con
         for t in cache.keys + cache.values:
             t.normal_()
         q = torch.randn(batch, kv_heads, head_dim, dtype=_torch_dtype(dtype))
-        t = _best_time(lambda: [paged_decode_attention(q, cache, layer, tables, lens, head_dim**-0.5, "cpp")
+        t = best_time(lambda: [paged_decode_attention(q, cache, layer, tables, lens, head_dim**-0.5, "cpp")
                                 for layer in range(depth)], repeats)
         rates[dtype] = depth * layer_bytes / t
     return rates
@@ -178,8 +178,8 @@ def _all_reduce_worker(rank: int, port: int, nbytes: int, repeats: int, out: dic
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         big, small = torch.ones(nbytes // 4), torch.ones(1)
-        t_big = _best_time(lambda: dist.all_reduce(big), repeats)
-        t_small = _best_time(lambda: dist.all_reduce(small), repeats * 4)
+        t_big = best_time(lambda: dist.all_reduce(big), repeats)
+        t_small = best_time(lambda: dist.all_reduce(small), repeats * 4)
         if rank == 0:
             out["big"], out["small"] = t_big, t_small
     finally:

@@ -6,12 +6,12 @@ decode), the LM head for every sampled row, and attention (q.k and p.v) over eac
 context. Embedding lookups, norms and the sampler count nothing."""
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from loom.bench.calibrate import best_time
 from loom.models.config import ModelConfig
 
 
@@ -38,16 +38,6 @@ def workload_flops(c: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequ
     return sum(request_flops(c, p, o) for p, o in zip(prompt_lens, output_lens))
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def gemm_roof(c: ModelConfig, dtype: torch.dtype, tokens: int = 512, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of one decoder layer's four projections over `tokens` rows, through torch's
     F.linear (oneDNN) and through Loom's panel kernels where this CPU has them; "roof" is the
@@ -64,6 +54,6 @@ def gemm_roof(c: ModelConfig, dtype: torch.dtype, tokens: int = 512, repeats: in
     rates = {}
     with torch.inference_mode():
         for name, layers in kernels.items():
-            rates[name] = flops / _best_seconds(lambda: [layer(x) for layer, x in zip(layers, inputs)], repeats)
+            rates[name] = flops / best_time(lambda: [layer(x) for layer, x in zip(layers, inputs)], repeats)
     rates["roof"] = max(rates.values())
     return rates
