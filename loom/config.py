@@ -57,9 +57,10 @@ class CacheConfig:
     # KV-cache compression for requests that do not choose theirs (loom/kv/policy.py)
     kv_policy: str = "full"
     kv_budget: int | float | None = None
+    kv_recent_ratio: float = 0.3
 
     def __post_init__(self) -> None:
-        check_kv_policy(self.kv_policy, self.kv_budget)
+        check_kv_policy(self.kv_policy, self.kv_budget, self.kv_recent_ratio)
         if self.kv_policy != "full" and self.kv_budget is None:
             raise ValueError(f"kv_budget: the {self.kv_policy} policy needs a budget (a fraction of the prompt "
                              "or a token count)")

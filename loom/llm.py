@@ -32,14 +32,15 @@ class LLM:
                  swap_space: int = 1 << 30, seed: int = 0, device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, group_size: int = 32, enforce_eager: bool | None = None,
-                 kv_policy: str = "full", kv_budget: int | float | None = None) -> None:
+                 kv_policy: str = "full", kv_budget: int | float | None = None,
+                 kv_recent_ratio: float = 0.3) -> None:
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
-                              kv_policy=kv_policy, kv_budget=kv_budget),
+                              kv_policy=kv_policy, kv_budget=kv_budget, kv_recent_ratio=kv_recent_ratio),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len or 0, preemption_mode=preemption_mode),

@@ -50,14 +50,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what the engine's step outputs carry
     # KV-cache compression (loom/kv/policy.py); None takes the engine's setting
-    kv_policy: str | None = None       # "full", "window", "streaming"
+    kv_policy: str | None = None       # "full", "window", "streaming", "h2o", "keyformer", "snapkv"
     kv_budget: int | float | None = None  # tokens kept: a fraction of the prompt (float) or a count (int)
+    kv_recent_ratio: float | None = None  # of the budget, the most recent tokens h2o and keyformer always keep
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check_types()
-        check_kv_policy(self.kv_policy, self.kv_budget)
+        check_kv_policy(self.kv_policy, self.kv_budget, self.kv_recent_ratio)
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         checks = [
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n),

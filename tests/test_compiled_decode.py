@@ -90,3 +90,22 @@ def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models):
     eager = LLM(str(model_dir), enforce_eager=True).generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     assert one[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keyformer"])
+def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
+    """Scored decode steps (the kernel adds each row's attention scores) run in a compiled
+    graph of their own, beside the unscored one, with the same tokens as eager."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model_dir, _ = hf_models("llama_gqa")
+    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, kv_policy=policy,
+                             kv_budget=0.5) for p in PARAMS]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), enforce_eager=eager, dtype="float32")
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
+    assert outs[False] == outs[True]
+    code = llm.engine.runner.decode_forward._torchdynamo_orig_callable.__func__.__code__
+    assert len(_debug_get_cache_entry_list(code)) > 2  # the load's two unscored graphs, and the scored

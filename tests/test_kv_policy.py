@@ -111,7 +111,8 @@ def test_full_and_roomy_budgets_change_nothing(gqa):
 
 class BoundChecker:
     """Steps an engine to the end, asserting after every step that each compressed sequence
-    past its prompt stores at most its budget, in no more blocks than that needs."""
+    past its prompt stores at most its budget (snapkv: plus what it generated), in no more
+    blocks than that needs, and that a scored policy's per-head state matches its slot map."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm, self.engine = llm, llm.engine
@@ -125,8 +126,11 @@ class BoundChecker:
                 policy = seq.request.kv_policy
                 if policy is None or seq.num_computed_tokens < seq.num_prompt_tokens:
                     continue
-                assert seq.kv.num_tokens <= policy.budget
+                generated = seq.num_computed_tokens - seq.num_prompt_tokens if policy.name == "snapkv" else 0
+                assert seq.kv.num_tokens <= policy.budget + generated
                 assert len(seq.kv.block_ids) == -(-seq.kv.num_tokens // BLOCK)
+                if policy.scored:
+                    assert seq.kv_scores.num_tokens == seq.kv.num_tokens
                 self.checked += 1
         stats = self.llm.stats()
         assert stats.num_free_blocks == stats.num_blocks  # back to idle
@@ -138,29 +142,32 @@ def add(llm: LLM, batch: list[list[int]], params: SamplingParams) -> None:
         llm.engine.add_request({"prompt_token_ids": p}, params)
 
 
-def test_freed_blocks_let_more_sequences_run(gqa):
+@pytest.mark.parametrize("policy", ["window", "h2o", "keyformer"])
+def test_freed_blocks_let_more_sequences_run(gqa, policy):
     """A pool that holds two full-length sequences runs six compressed ones at once."""
     model_dir, _ = gqa
     blocks_per_seq = 128 // BLOCK
     bytes_per_block = 2 * 2 * 2 * 8 * BLOCK * 4  # k and v, 2 layers, 2 kv heads, head dim 8, fp32
     batch = prompts(6, 40, seed=2)
     runs = {}
-    for policy in ("full", "window"):
+    for policy in ("full", policy):
         llm = LLM(str(model_dir), block_size=BLOCK, max_model_len=128,
                   kv_cache_memory=2 * blocks_per_seq * bytes_per_block, max_num_batched_tokens=48)
         add(llm, batch, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, kv_policy=policy, kv_budget=16))
         checker = BoundChecker(llm)
         checker.run()
         runs[policy] = llm.stats().num_preemptions, checker.checked
-    assert runs["full"][0] > 0 and runs["window"][0] == 0
-    assert runs["window"][1] > 6 * 70  # the bound was checked at (nearly) every decode step of every sequence
+    assert runs["full"][0] > 0 and runs[policy][0] == 0
+    assert runs[policy][1] > 6 * 70  # the bound was checked at (nearly) every decode step of every sequence
 
 
+@pytest.mark.parametrize("policy", ["streaming", "keyformer", "snapkv"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_bound_holds_through_preemption(gqa, mode):
+def test_bound_holds_through_preemption(gqa, mode, policy):
     model_dir, _ = gqa
     batch = prompts(8, 48, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, kv_policy="streaming", kv_budget=20)
+    budget = 36 if policy == "snapkv" else 20  # snapkv keeps its window of 32 prompt tokens
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, kv_policy=policy, kv_budget=budget)
     kw = dict(block_size=BLOCK, max_model_len=128, max_num_batched_tokens=64)
     llm = LLM(str(model_dir), kv_cache_memory=20 * 2048, preemption_mode=mode, swap_space=1 << 20, **kw)
     add(llm, batch, params)
@@ -174,23 +181,25 @@ def test_bound_holds_through_preemption(gqa, mode):
         assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_prefix_cache_is_never_written_by_a_compressed_sequence(gqa):
+@pytest.mark.parametrize("policy", ["window", "h2o"])
+def test_prefix_cache_is_never_written_by_a_compressed_sequence(gqa, policy):
     model_dir, _ = gqa
     shared = prompts(1, 40, seed=4)[0]
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fresh = LLM(str(model_dir), block_size=BLOCK).generate({"prompt_token_ids": shared + [7]}, plain, use_tqdm=False)
     llm = LLM(str(model_dir), block_size=BLOCK)
     llm.generate({"prompt_token_ids": shared}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                             kv_policy="window", kv_budget=12), use_tqdm=False)
+                                                             kv_policy=policy, kv_budget=12), use_tqdm=False)
     later = llm.generate({"prompt_token_ids": shared + [7]}, plain, use_tqdm=False)
     assert later[0].num_cached_tokens == 40  # every full block of the shared prompt came from the cache
     assert later[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids
 
 
-def test_parallel_samples_and_beams_stay_within_the_bound(gqa):
+@pytest.mark.parametrize("policy", ["window", "keyformer", "snapkv"])
+def test_parallel_samples_and_beams_stay_within_the_bound(gqa, policy):
     model_dir, _ = gqa
     batch = prompts(2, 36, seed=5)
-    llm = LLM(str(model_dir), block_size=BLOCK, kv_policy="window", kv_budget=0.5)
+    llm = LLM(str(model_dir), block_size=BLOCK, kv_policy=policy, kv_budget=34 if policy == "snapkv" else 0.5)
     sampled = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
     add(llm, batch, sampled)
     many = BoundChecker(llm).run()
@@ -217,11 +226,14 @@ def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
     report = json.loads((tmp_path / "kv_speed.json").read_text())
     decode, capacity = report["decode"], report["capacity"]
     assert [(d["policy"], d["budget"]) for d in decode] == [(c["policy"], c["budget"]) for c in capacity] == [
-        ("full", None), ("window", 0.5), ("window", 0.25), ("streaming", 0.5), ("streaming", 0.25)]
+        ("full", None)] + [(p, b) for p in ("window", "streaming", "h2o", "keyformer", "snapkv") for b in (0.5, 0.25)]
     per_slot = 2 * 2 * 2 * 8 * 4  # k and v, 2 layers, 2 kv heads, head dim 8, fp32
     assert decode[0]["kv_bytes_per_seq"] == 80 * per_slot  # 64 + 16 tokens in five blocks of 16
     assert decode[2]["kv_bytes_per_seq"] == 16 * per_slot  # the 16 kept, between steps
+    assert decode[8]["kv_bytes_per_seq"] == 16 * per_slot  # keyformer's 16 too (per head, the same count)
     assert all(d["decode_tok_per_s"] > 0 for d in decode)
+    assert [s["policy"] for s in report["scoring_only"]] == ["h2o", "keyformer"]
+    assert all(s["kv_bytes_per_seq"] == decode[0]["kv_bytes_per_seq"] for s in report["scoring_only"])  # no drop
     assert capacity[0]["largest_batch"] == 2 and capacity[2]["largest_batch"] > 2
     assert (tmp_path / "kv_speed.png").is_file() and "wrote" in capsys.readouterr().out
 
@@ -242,7 +254,8 @@ def test_kv_quality_bench_scores_every_policy_and_budget(tmp_path, capsys):
           "24", "--needles", "8", "--needle-context", "320", "--out-dir", str(tmp_path)])
     rows = json.loads((tmp_path / "kv_quality.json").read_text())["rows"]
     assert rows[0]["policy"] == "full" and rows[0]["rouge1"] == rows[0]["rougeL"] == 1.0
-    assert [(r["policy"], r["budget"]) for r in rows[1:]] == [(p, b) for p in ("window", "streaming") for b in BUDGETS]
+    assert [(r["policy"], r["budget"]) for r in rows[1:]] == [
+        (p, b) for p in ("window", "streaming", "h2o", "keyformer", "snapkv") for b in BUDGETS]
     assert all(0 <= r[k] <= 1 for r in rows for k in ("rouge1", "rouge2", "rougeL", "needle_accuracy"))
     smallest = [r for r in rows if r["budget"] == BUDGETS[0]]
     assert all(r["rougeL"] < 1 for r in smallest)

@@ -16,7 +16,10 @@ from loom.models.reference import REFERENCE_134M, reference_model_dir
 from loom.sampling_params import RequestOutputKind
 
 # (policy, budget as a fraction of the prompt); budget None for the full cache
-CASES = [("full", None), ("window", 0.5), ("window", 0.25), ("streaming", 0.5), ("streaming", 0.25)]
+SCORED = ("h2o", "keyformer")  # the policies that score every decode step
+NEVER_REACHED = 10**9  # a token budget no run reaches: scores computed, nothing dropped
+CASES = [("full", None)] + [(policy, budget) for policy in ("window", "streaming", "h2o", "keyformer", "snapkv")
+                            for budget in (0.5, 0.25)]
 
 
 def long_context_model() -> Path:
@@ -89,7 +92,11 @@ def run_capacity(model_dir: Path, dtype: str, policy: str, budget: float | None,
 
 
 def label(case: dict) -> str:
-    return "full" if case["budget"] is None else f"{case['policy']} {case['budget']:.0%}"
+    if case["budget"] is None:
+        return "full"
+    if case["budget"] == NEVER_REACHED:
+        return f"{case['policy']} scoring only"
+    return f"{case['policy']} {case['budget']:.0%}"
 
 
 def plot(path: Path, title: str, decode: list[dict], capacity: list[dict]) -> None:

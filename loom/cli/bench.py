@@ -298,6 +298,15 @@ def _kv_speed(args: argparse.Namespace) -> None:
         d = decode[-1]
         print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
               f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence", flush=True)
+    # What scoring costs alone: the scored policies with a budget nothing reaches score every
+    # step and never drop, against the full cache's step time.
+    scoring = []
+    for policy in kv_speed.SCORED:
+        s = kv_speed.run_decode(model, args.dtype, policy, kv_speed.NEVER_REACHED, args.batch, **shape)
+        s["overhead_vs_full"] = s["ms_per_step"] / decode[0]["ms_per_step"] - 1
+        scoring.append(s)
+        print(f"[{policy} scoring only] {s['ms_per_step']:.1f} ms/step, {s['overhead_vs_full']:+.1%} against full",
+              flush=True)
     # The fixed memory: what the full cache needs for the decode run's batch.
     memory = round(decode[0]["kv_bytes_per_seq"] * args.batch)
     for policy, budget in kv_speed.CASES:
@@ -311,7 +320,7 @@ def _kv_speed(args: argparse.Namespace) -> None:
         d["decode_vs_full"] = d["decode_tok_per_s"] / full["decode_tok_per_s"]
         c["batch_vs_full"] = c["largest_batch"] / capacity[0]["largest_batch"]
     path = write_report("kv_speed", {"model": str(model), "dtype": args.dtype, **shape, "batch": args.batch,
-                                     "decode": decode, "capacity": capacity}, args.out_dir)
+                                     "decode": decode, "scoring_only": scoring, "capacity": capacity}, args.out_dir)
     kv_speed.plot(path.with_suffix(".png"), f"{args.batch} prompts of {args.prompt_len} tokens, {args.output_len} "
                   f"output tokens, {args.dtype}, {args.threads} threads; right: {args.capacity_requests} requests "
                   f"in {memory / 2**20:.0f} MiB of KV", decode, capacity)

@@ -36,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="KV-cache compression for requests that do not choose their own (kv_policy)")
     p.add_argument("--kv-budget", type=_kv_budget, default=None,
                    help="tokens a compressed sequence keeps: a fraction of its prompt (0.5) or a count (512)")
+    p.add_argument("--kv-recent-ratio", type=float, default=0.3,
+                   help="of the budget, the most recent tokens h2o and keyformer always keep")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.set_defaults(func=_serve)
 
@@ -63,7 +65,8 @@ def _serve(args: argparse.Namespace) -> None:
             llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
                       quantization=args.quantization, enforce_eager=True if args.enforce_eager else None,
-                      kv_policy=args.kv_policy, kv_budget=args.kv_budget)
+                      kv_policy=args.kv_policy, kv_budget=args.kv_budget,
+                      kv_recent_ratio=args.kv_recent_ratio)
             loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record)
             print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
         except BaseException as error:  # reported by the main thread once the server stops

@@ -65,7 +65,9 @@ class InputProcessor:
         """The request's KV compression: its own fields, else the engine's."""
         cache = self.config.cache
         return KVPolicy.resolve(params.kv_policy or cache.kv_policy,
-                                cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens)
+                                cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens,
+                                cache.kv_recent_ratio if params.kv_recent_ratio is None else params.kv_recent_ratio,
+                                params.max_tokens)
 
     def request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """A validated request with its first sequence; a bad one raises ValueError."""

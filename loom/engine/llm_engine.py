@@ -34,7 +34,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, stop_checker)
         block_manager = BlockManager(self.runner.cache.num_blocks, config.cache.block_size,
                                      config.cache.enable_prefix_caching, self.runner.num_swap_blocks)
-        self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker)
+        m = config.model_config
+        self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker, (m.num_layers, m.num_kv_heads))
         self._request_counter = itertools.count()
         self._lock = threading.Lock()  # guards the three below
         self._requests: dict[str, Request] = {}  # every unfinished request, by id

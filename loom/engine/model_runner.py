@@ -20,8 +20,9 @@ from tqdm import tqdm
 from loom.config import EngineConfig
 from loom.engine.sequence import Sequence
 from loom.engine.stop_checker import StopChecker
-from loom.kv.attention import AttentionMetadata, PrefillSegment
+from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, PromptScores
 from loom.kv.cache import KVCache, kv_cache_blocks
+from loom.kv.scores import row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
@@ -60,6 +61,8 @@ class ModelRunner:
                              config.dtype, self.device)
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
+        self.seed = config.seed
+        self.kv_heads = (m.num_layers, m.num_kv_heads)
         self.stop_checker = stop_checker
         # Decode-only steps are the many small ones, where per-op overhead rivals the weight
         # reads: compiled graphs serve them (one for batch 1, one dynamic in batch size and
@@ -97,6 +100,9 @@ class ModelRunner:
         if self.decode_forward is not None and decode_only:
             # The table width is any size, 1 included: no specialization on its value.
             torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
+            if meta.decode_scores is not None:  # a graph of its own, as dynamic
+                torch._dynamo.decorators.mark_unbacked(meta.decode_scores.out, 3)
+                torch._dynamo.decorators.mark_unbacked(meta.decode_scores.key_positions, 3)
             return self.decode_forward(ids, positions, self.cache, meta)
         return self.model(ids, positions, self.cache, meta)
 
@@ -109,13 +115,44 @@ class ModelRunner:
         return SampleRow(seq.params, seq.generators, seq.prompt_token_ids, seq.output_token_ids,
                          self.stop_checker.banned_token_ids(seq), proposals)
 
+    def _score_rows(self, seq: Sequence, start: int, n: int) -> tuple[list[float], list[int]] | None:
+        """Temperatures and noise keys of a scored KV policy's rows at positions start ..
+        start + n - 1; None when none of them scores."""
+        policy = seq.request.kv_policy
+        if policy is None or not policy.scored:
+            return None
+        temps = [policy.score_temperature(p, seq.num_prompt_tokens) for p in range(start, start + n)]
+        if not any(temps):
+            return None
+        seed = self.seed if seq.params.seed is None else seq.params.seed
+        keys = [row_key(seed, seq.index, p) if policy.noisy else -1 for p in range(start, start + n)]
+        return temps, keys
+
+    def _decode_scores(self, decodes: list[Sequence], width: int) -> tuple[DecodeScores, list[int]] | None:
+        """The decode rows' score inputs, and which rows score; None when none does."""
+        rows = [(b, self._score_rows(s, s.num_computed_tokens, 1)) for b, s in enumerate(decodes)]
+        rows = [(b, r) for b, r in rows if r is not None]
+        if not rows:
+            return None
+        num_layers, num_kv_heads = self.kv_heads
+        shape = (num_layers, len(decodes), num_kv_heads, width)
+        scores = DecodeScores(temps=torch.zeros(len(decodes)), row_keys=torch.full((len(decodes),), -1),
+                              out=torch.zeros(shape), key_positions=torch.zeros(shape, dtype=torch.int32))
+        for b, (temps, keys) in rows:
+            seq = decodes[b]
+            n = seq.kv.num_tokens
+            scores.temps[b], scores.row_keys[b] = temps[0], keys[0]
+            scores.key_positions[:, b, :, :n] = seq.kv_scores.positions
+            scores.key_positions[:, b, :, n] = seq.num_computed_tokens
+        return scores, [b for b, _ in rows]
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         """Runs one step: a result per scheduled sequence."""
         # Order matters: moves concern blocks their sequences held when the moves were planned
         # (the swap-out copies what they leave); blocks freed by a swap-out may be refilled by a
         # swap-in or a copy.
-        self.cache.move_slots(batch.moves)
+        self.cache.move(batch.moves, batch.head_moves)
         if batch.swap_out:
             self.swap_space.swap_out(batch.swap_out)
         if batch.swap_in:
@@ -136,8 +173,12 @@ class ModelRunner:
                 block_ids = torch.tensor(seq.kv.blocks_for(stored + n), dtype=torch.int32, device=self.device)
                 key_positions = None if seq.kv.positions is None else torch.tensor(
                     seq.kv.positions + list(range(start, start + n)), device=self.device)
+                score_rows = self._score_rows(seq, start, n)
+                prompt_scores = None if score_rows is None else PromptScores(
+                    torch.tensor(score_rows[0]), torch.tensor(score_rows[1]),
+                    torch.zeros(*self.kv_heads, stored + n))
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,
-                                               key_positions=key_positions))
+                                               key_positions=key_positions, scores=prompt_scores))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 logit_rows.append((i, row))
             row += n
@@ -154,11 +195,20 @@ class ModelRunner:
                                                      for s in decodes], dtype=torch.int32, device=self.device)
             meta.decode_context_lens = torch.tensor([s.kv.num_tokens + 1 for s in decodes],
                                                     dtype=torch.int32, device=self.device)
+            scored = self._decode_scores(decodes, width * self.cache.block_size)
+            if scored is not None:
+                meta.decode_scores, scored_rows = scored
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self._forward(ids, pos, meta, decode_only=not prefills)
         outputs = [SeqStepOutput() for _ in batch.seqs]
+        if meta.decode_scores is not None:
+            for b in scored_rows:
+                outputs[b].kv_scores = meta.decode_scores.out[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
+        for i, seg in enumerate(prefills, start=batch.num_decodes):
+            if seg.scores is not None:
+                outputs[i].kv_scores = seg.scores.out
         if sample_rows:
             sampled = hidden  # decode-only steps sample every row: no gather
             if len(sample_rows) < hidden.shape[0]:

@@ -20,10 +20,13 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from loom.config import SchedulerConfig
 from loom.engine.sequence import Request, Sequence, SequenceStatus
 from loom.engine.stop_checker import StopChecker
 from loom.kv.block_manager import BlockManager
+from loom.kv.scores import HeadScores
 from loom.layers.sampler import SampleResult, SeqStepOutput
 from loom.outputs import EngineStats
 
@@ -35,6 +38,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]       # tokens each sequence computes this step
     num_decodes: int                # leading sequences with exactly one new token
     moves: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) slots, from dropped tokens
+    head_moves: torch.Tensor | None = None  # [M, 4] (layer, kv head, src slot, dst slot), from per-head drops
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
@@ -48,8 +52,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_checker: StopChecker) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_checker: StopChecker,
+                 kv_heads: tuple[int, int]) -> None:
         self.config = config
+        self.kv_heads = kv_heads  # (layers, kv heads): the shape of a scored KV policy's state
+        # Per-head moves of each sequence's last drop, due before the next step (moot once it is freed).
+        self._head_moves: dict[Sequence, torch.Tensor] = {}
         self.block_manager = block_manager
         self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
@@ -72,7 +80,7 @@ class Scheduler:
         for seq in request.seqs:
             if seq.status in queues:
                 queues[seq.status].remove(seq)
-                self.block_manager.free(seq.kv)
+                self._free(seq)
         request.abort(reason)
 
     # ---- which sequences run ----------------------------------------------------------------
@@ -127,8 +135,11 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is full.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # Prompt logprobs need the logits of every prompt token: compute them all.
-            hits = bm.match_prefix(seq.token_ids()) if seq.params.prompt_logprobs is None else []
+            # Prompt logprobs need the logits of every prompt token, a scored KV policy every prompt
+            # token's stored scores: compute them all.
+            policy = seq.request.kv_policy
+            computes_all = seq.params.prompt_logprobs is not None or (policy is not None and policy.scored)
+            hits = [] if computes_all else bm.match_prefix(seq.token_ids())
             n = seq.num_tokens - len(hits) * bm.block_size
             if chunked:
                 n = min(n, budget)
@@ -147,9 +158,11 @@ class Scheduler:
             budget -= n
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
+        head_moves = torch.cat(list(self._head_moves.values())) if self._head_moves else None
+        self._head_moves = {}
         return ScheduledBatch(seqs=[s for s, _ in chosen], num_new_tokens=[n for _, n in chosen],
                               num_decodes=sum(1 for _, n in chosen if n == 1), moves=bm.take_moves(),
-                              copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in)
+                              head_moves=head_moves, copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in)
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -172,8 +185,9 @@ class Scheduler:
             bisect.insort(self.swapped, seq, key=lambda s: s.order)
             self.num_swap_outs += 1
             return self.block_manager.swap_out(seq.kv)
-        self.block_manager.free(seq.kv)
+        self._free(seq)
         seq.num_computed_tokens = 0
+        seq.kv_scores = None  # its scores are recomputed with its tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         return []
@@ -185,8 +199,14 @@ class Scheduler:
         beam_requests: dict[str, Request] = {}
         for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
             self.block_manager.commit(seq.kv, n, seq.num_computed_tokens, seq.token_ids)
-            seq.num_computed_tokens += n
             request = seq.request
+            if request.kv_policy is not None and request.kv_policy.scored:
+                if seq.kv_scores is None:
+                    seq.kv_scores = HeadScores(*self.kv_heads)
+                seq.kv_scores.append(seq.num_computed_tokens, n)
+                if result.kv_scores is not None:
+                    seq.kv_scores.add(result.kv_scores)
+            seq.num_computed_tokens += n
             if request.kv_policy is not None:
                 self._compress(seq)
             for position, logprobs in result.prompt_logprobs or ():
@@ -212,10 +232,34 @@ class Scheduler:
         waits for a later step."""
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             return
-        kv = seq.kv
-        drop = seq.request.kv_policy.tokens_to_drop(kv.positions if kv.positions is not None else range(kv.num_tokens))
+        kv, policy = seq.kv, seq.request.kv_policy
+        if policy.scored:
+            self._compress_per_head(seq)
+            return
+        drop = policy.tokens_to_drop(kv.positions if kv.positions is not None else range(kv.num_tokens))
         if drop:
             self.block_manager.drop(kv, drop)
+
+    def _compress_per_head(self, seq: Sequence) -> None:
+        """A scored policy's drop, different in each layer and kv head: the state records it,
+        the block manager frees the blocks, and the moves of each head's kept tokens into its
+        holes wait for the next step (read in the slots the tokens were in, written in the
+        blocks the map holds now)."""
+        state, kv, bs = seq.kv_scores, seq.kv, self.block_manager.block_size
+        dropped = seq.request.kv_policy.heads_to_drop(state.positions, state.scores, seq.num_computed_tokens - 1,
+                                                      seq.num_prompt_tokens)
+        if dropped is None:
+            return
+        moves, written = state.plan_drop(dropped)
+        kept = state.num_tokens - dropped.shape[-1]
+        old_ids = torch.tensor(kv.block_ids)
+        if not self.block_manager.drop_per_head(kv, written, kept):
+            return
+        state.apply(moves, kept)
+        new_ids = torch.tensor(kv.block_ids, dtype=torch.long)
+        layer, head, src, dst = moves.unbind(1)
+        self._head_moves[seq] = torch.stack([layer, head, old_ids[src // bs] * bs + src % bs,
+                                             new_ids[dst // bs] * bs + dst % bs], dim=1)
 
     def _append_samples(self, seq: Sequence, sample: SampleResult) -> None:
         """The first token continues `seq`; each further one (n > 1, at the end of the
@@ -239,8 +283,13 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Takes a running sequence out for good, freeing its blocks."""
         self.running.remove(seq)
-        self.block_manager.free(seq.kv)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        """Frees the sequence's KV, with the moves still due into it."""
+        self.block_manager.free(seq.kv)
+        self._head_moves.pop(seq, None)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -13,6 +13,7 @@ from loom.detokenizer import IncrementalDetokenizer
 from loom.engine.beam_search import BeamState
 from loom.kv.block_manager import SlotMap
 from loom.kv.policy import KVPolicy
+from loom.kv.scores import HeadScores
 from loom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -52,6 +53,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     proposals: list[tuple[int, float]] | None = None  # beam: this step's top next tokens
+    kv_scores: HeadScores | None = None  # a scored KV policy's per-head state (the scheduler's)
     # what the last delta output covered
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
@@ -177,6 +179,7 @@ class Request:
         child.output_token_ids = list(parent.output_token_ids)
         child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
         child.detokenizer = None if parent.detokenizer is None else parent.detokenizer.fork()
+        child.kv_scores = None if parent.kv_scores is None else parent.kv_scores.clone()
         child.generators = [parent.generators[child.index] if child.index < len(parent.generators) else None]
         self.num_created += 1
         self.seqs.append(child)

@@ -6,6 +6,8 @@ shape-only "fake" versions below, they run inside `torch.compile`d graphs as opa
 eager calls cost no Python.
   paged_decode_attention, paged_prefill_attention  attention over the paged KV pool
                           (paged_attention.cpp)
+  paged_decode_attention_scored, attention_row_scores, gumbel_noise  the scores of KV
+                          policies (H2O, Keyformer), from the same kernels
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
@@ -67,6 +69,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("loom::paged_decode_attention_scored")
+    def _(q, key_cache, value_cache, block_tables, context_lens, scale, scores, score_temps, row_keys, layer,
+          key_positions):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("loom::attention_row_scores")
+    def _(logits, num_kv_heads, visible, score_temps, row_keys, layer):
+        return logits.new_empty(num_kv_heads, logits.shape[2])
 
     @torch.library.register_fake("loom::paged_prefill_attention")
     def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale):

@@ -7,6 +7,12 @@
 // queries at once, in register tiles (see prefill_kernel). Both also return the log-sum-exp of
 // each row (Helix merges partial attention outputs with it).
 //
+// KV-policy scores: a scored decode call also adds, for each row the policy scores, the row's
+// attention over each stored token (its query heads summed) into a scores buffer, either the
+// plain softmax (H2O) or Keyformer's softmax((x + g) / tau) with Gumbel noise g drawn from a
+// counter-based hash, so a token's noise depends only on (row key, layer, kv head, position).
+// `attention_row_scores` does the same for prompt rows from their logits.
+//
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -174,21 +180,94 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
+// ---- KV-policy scores -------------------------------------------------------------------------
+// Gumbel(0, 1) noise by inverse CDF on a grid: g = -log(-log(u)), u = (i + 0.5) / 2^kGumbelBits,
+// i the top bits of a hash. Two logs per key token and step would cost more than the attention.
+constexpr int kGumbelBits = 12;
+
+struct GumbelTable {
+  float value[1 << kGumbelBits];
+  GumbelTable() {
+    for (int i = 0; i < (1 << kGumbelBits); ++i) value[i] = static_cast<float>(-std::log(-std::log((i + 0.5) / (1 << kGumbelBits))));
+  }
+};
+
+const float* gumbel_table() {
+  static const GumbelTable table;
+  return table.value;
+}
+
+// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds).
+inline uint32_t mix32(uint32_t x) {
+  x = ((x >> 16) ^ x) * 0x45d9f3bu;
+  x = ((x >> 16) ^ x) * 0x45d9f3bu;
+  return (x >> 16) ^ x;
+}
+
+// The noise key of one row's kv head in one layer; a token's noise is then hashed from its position.
+inline uint32_t head_noise_key(int64_t row_key, int64_t layer, int64_t kvh) {
+  return mix32(mix32(static_cast<uint32_t>(row_key) ^ mix32(static_cast<uint32_t>(layer) + 1u)) ^
+               (static_cast<uint32_t>(kvh) + 1u) * 0x9e3779b9u);
+}
+
+inline float gumbel(const float* table, uint32_t key, int32_t position) {
+  return table[mix32(key ^ static_cast<uint32_t>(position) * 0x85ebca6bu) >> (32 - kGumbelBits)];
+}
+
+// out[t] += softmax(x / temp)[t] over x[0:n]; with noise, softmax((x + g) / temp), g keyed by `key` and
+// each token's position (positions[t], or t when null). `tmp` holds n floats.
+inline void add_row_scores(const float* x, int64_t n, float temp, bool noise, uint32_t key, const int32_t* positions,
+                           float* tmp, float* out) {
+  const float inv_temp = 1.f / temp;
+  if (noise) {
+    const float* table = gumbel_table();
+    for (int64_t t = 0; t < n; ++t)
+      tmp[t] = (x[t] + gumbel(table, key, positions ? positions[t] : static_cast<int32_t>(t))) * inv_temp;
+  } else {
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) tmp[t] = x[t] * inv_temp;
+  }
+  const float m = row_max(tmp, n);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    tmp[t] = std::exp(tmp[t] - m);
+    sum += tmp[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) out[t] += tmp[t] * inv;
+}
+
+// What a scored decode call needs (out null for a plain one): per row, temps[b] (0: not scored)
+// and row_keys[b] (-1: no noise); the layer; key_positions [B, KVH, width] int32 (null: token t
+// is at position t); out [B, KVH, width] float, added to.
+struct DecodeScores {
+  const float* temps = nullptr;
+  const int64_t* row_keys = nullptr;
+  int64_t layer = 0;
+  const int32_t* key_positions = nullptr;
+  float* out = nullptr;
+  int64_t width = 0;
+};
+
 // `fast`: the AVX-512 loops above serve this block size, head size and element type.
 template <typename T, int BS, bool fast>
 void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                         const int32_t* context_lens, T* out, float* lse, int64_t batch,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                        float scale) {
+                        float scale, const DecodeScores& scored) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_block_stride = BS * head_dim;  // one kv head's slice of a block
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
       const int32_t* table = block_tables + b * max_blocks;
       scores.resize(group * num_blocks * BS);
+      const bool score_row = scored.out && scored.temps[b] > 0.f;
+      if (score_row) tmp.resize(ctx);
       for (int64_t g = 0; g < group; ++g) {
         const T* qrow = q + (b * num_heads + kvh * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(qrow, i) * scale;
@@ -217,6 +296,12 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         float* s = scores.data() + g * num_blocks * BS;
+        if (score_row) {
+          const int64_t at = (b * num_kv_heads + kvh) * scored.width;
+          add_row_scores(s, ctx, scored.temps[b], scored.row_keys[b] >= 0,
+                         head_noise_key(scored.row_keys[b], scored.layer, kvh),
+                         scored.key_positions ? scored.key_positions + at : nullptr, tmp.data(), scored.out + at);
+        }
         const float m = row_max(s, ctx);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -252,16 +337,16 @@ template <typename T, int BS>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                    const int32_t* context_lens, T* out, float* lse, int64_t batch,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                   float scale) {
+                   float scale, const DecodeScores& scored) {
 #ifdef __AVX512F__
   if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
     if (head_dim % 16 == 0)
       return decode_kernel_impl<T, BS, true>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch,
-                                             num_heads, num_kv_heads, head_dim, max_blocks, scale);
+                                             num_heads, num_kv_heads, head_dim, max_blocks, scale, scored);
   }
 #endif
   decode_kernel_impl<T, BS, false>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch, num_heads,
-                                   num_kv_heads, head_dim, max_blocks, scale);
+                                   num_kv_heads, head_dim, max_blocks, scale, scored);
 }
 
 // Prefill: a chunk's n queries are the last n of the ctx tokens stored in a sequence's blocks
@@ -489,12 +574,10 @@ void with_block_size(int64_t block_size, const char* op, F&& run) {
 
 }  // namespace
 
-// q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
-// v_cache [num_blocks, KVH, block_size, D]; block_tables [B, max_blocks]
-// int32; context_lens [B] int32 (each >= 1). Returns (out [B, H, D], lse [B, H] float32).
-std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                                          const at::Tensor& v_cache, const at::Tensor& block_tables_in,
-                                                          const at::Tensor& context_lens_in, double scale) {
+// Checks and runs a decode call, scored when `scored.out` is set.
+static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                              const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
+                                              double scale, const DecodeScores& scored) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
@@ -513,11 +596,100 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
       decode_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                   block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                                   out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, num_heads,
-                                  num_kv_heads, head_dim, block_tables.size(1), static_cast<float>(scale));
+                                  num_kv_heads, head_dim, block_tables.size(1), static_cast<float>(scale), scored);
     };
     with_block_size(block_size, "paged_decode_attention", run);
   });
   return {out, lse};
+}
+
+// q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
+// v_cache [num_blocks, KVH, block_size, D]; block_tables [B, max_blocks]
+// int32; context_lens [B] int32 (each >= 1). Returns (out [B, H, D], lse [B, H] float32).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, double scale) {
+  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, DecodeScores{});
+}
+
+// paged_decode_attention that also adds each scored row's attention over its stored tokens to
+// scores [B, KVH, width] float32 (width >= every context length): score_temps [B] float32 (0: row
+// not scored), row_keys [B] int64 (-1: no noise), key_positions [B, KVH, width] int32 or None.
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_scored(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, double scale, at::Tensor scores, const at::Tensor& score_temps_in,
+    const at::Tensor& row_keys_in, int64_t layer, const std::optional<at::Tensor>& key_positions_in) {
+  const int64_t batch = q.size(0), num_kv_heads = k_cache.size(1);
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.dim() == 3 &&
+                  scores.size(0) == batch && scores.size(1) == num_kv_heads, "scores must be [B, KVH, width] float32");
+  const at::Tensor temps = score_temps_in.contiguous(), keys = row_keys_in.contiguous();
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == batch, "score_temps must be [B] float32");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.numel() == batch, "row_keys must be [B] int64");
+  const int64_t width = scores.size(2);
+  TORCH_CHECK(context_lens.numel() == batch && context_lens.max().item<int32_t>() <= width,
+              "scores are narrower than a context");
+  at::Tensor key_positions;
+  if (key_positions_in.has_value()) {
+    key_positions = key_positions_in->contiguous();
+    TORCH_CHECK(key_positions.scalar_type() == at::kInt && key_positions.sizes() == scores.sizes(),
+                "key_positions must be int32 shaped like scores");
+  }
+  DecodeScores scored{temps.data_ptr<float>(), keys.data_ptr<int64_t>(), layer,
+                      key_positions.defined() ? key_positions.data_ptr<int32_t>() : nullptr,
+                      scores.data_ptr<float>(), width};
+  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, scored);
+}
+
+// Prompt rows' scores: logits [H, r, ctx] float32 (scaled q.k of r query rows over ctx stored
+// tokens, in position order), visible [r] int64 (keys each row sees: the first visible[r]),
+// score_temps [r] float32 (0: row not scored), row_keys [r] int64 (-1: no noise). Returns
+// [KVH, ctx] float32: each kv head's scores summed over its query heads and the rows.
+at::Tensor attention_row_scores(const at::Tensor& logits_in, int64_t num_kv_heads, const at::Tensor& visible_in,
+                                const at::Tensor& score_temps_in, const at::Tensor& row_keys_in, int64_t layer) {
+  const at::Tensor logits = logits_in.contiguous(), visible = visible_in.contiguous();
+  const at::Tensor temps = score_temps_in.contiguous(), keys = row_keys_in.contiguous();
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat, "logits must be [H, r, ctx] float32");
+  const int64_t num_heads = logits.size(0), rows = logits.size(1), ctx = logits.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(visible.scalar_type() == at::kLong && visible.numel() == rows, "visible must be [r] int64");
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == rows, "score_temps must be [r] float32");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.numel() == rows, "row_keys must be [r] int64");
+  const int64_t group = num_heads / num_kv_heads;
+  auto out = at::zeros({num_kv_heads, ctx}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  const int64_t* vis = visible.data_ptr<int64_t>();
+  const float* tp = temps.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(ctx);
+    for (int64_t kvh = begin; kvh < end; ++kvh)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (tp[r] <= 0.f) continue;
+          TORCH_CHECK(vis[r] >= 1 && vis[r] <= ctx, "visible out of range");
+          add_row_scores(x + ((kvh * group + g) * rows + r) * ctx, vis[r], tp[r], kp[r] >= 0,
+                         head_noise_key(kp[r], layer, kvh), nullptr, tmp.data(), o + kvh * ctx);
+        }
+  });
+  return out;
+}
+
+// The noise a scored row adds: [r, KVH, P] for row_keys [r] int64 and positions [P] int32 (to
+// check it against its definition).
+at::Tensor gumbel_noise(const at::Tensor& row_keys_in, int64_t layer, int64_t num_kv_heads,
+                        const at::Tensor& positions_in) {
+  const at::Tensor keys = row_keys_in.contiguous().to(at::kLong), positions = positions_in.contiguous().to(at::kInt);
+  const int64_t rows = keys.numel(), n = positions.numel();
+  auto out = at::empty({rows, num_kv_heads, n}, keys.options().dtype(at::kFloat));
+  const float* table = gumbel_table();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const uint32_t key = head_noise_key(keys.data_ptr<int64_t>()[r], layer, h);
+      for (int64_t t = 0; t < n; ++t)
+        out.data_ptr<float>()[(r * num_kv_heads + h) * n + t] = gumbel(table, key, positions.data_ptr<int32_t>()[t]);
+    }
+  return out;
 }
 
 // q [n, H, D], the chunk's queries; caches as above; block_ids [>= ceil(context_len / block_size)]
@@ -566,9 +738,18 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_ids, "
         "int context_len, Tensor? key_positions, float scale) -> (Tensor, Tensor)");
+  m.def("paged_decode_attention_scored(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, Tensor(a!) scores, Tensor score_temps, Tensor row_keys, int layer, "
+        "Tensor? key_positions) -> (Tensor, Tensor)");
+  m.def("attention_row_scores(Tensor logits, int num_kv_heads, Tensor visible, Tensor score_temps, "
+        "Tensor row_keys, int layer) -> Tensor");
+  m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_decode_attention_scored", &paged_decode_attention_scored);
+  m.impl("attention_row_scores", &attention_row_scores);
+  m.impl("gumbel_noise", &gumbel_noise);
 }

@@ -4,6 +4,10 @@ A step's tokens are packed as [decode tokens | prefill chunk 1 | prefill chunk 2
 token's k/v is first written to its slot; then decode rows attend over their sequences' blocks
 (one fused kernel for the whole group) and each prefill chunk attends causally over its cached
 prefix plus itself, read from the blocks in place.
+
+A KV policy that chooses tokens by attention (loom/kv/policy.py) asks some rows for their
+scores: decode rows get them from the decode kernel itself (`DecodeScores`), prompt rows from
+their logits, recomputed SCORE_ROWS queries at a time (`PromptScores`).
 """
 from __future__ import annotations
 
@@ -13,6 +17,29 @@ import torch
 import torch.nn.functional as F
 
 from loom.kv.cache import KVCache
+from loom.kv.scores import reference_row_scores
+
+SCORE_ROWS = 256  # prompt queries whose logits are held at once while scoring
+
+
+@dataclass
+class PromptScores:
+    """A prefill chunk's rows score their keys: row i with temperature temps[i] (0: not at all)
+    and noise key row_keys[i] (-1: no noise); each layer adds its [KVH, context_len] scores to
+    out[layer]."""
+    temps: torch.Tensor      # [num_tokens] float32
+    row_keys: torch.Tensor   # [num_tokens] int64
+    out: torch.Tensor        # [L, KVH, context_len] float32
+
+
+@dataclass
+class DecodeScores:
+    """Decode rows score their keys, as PromptScores, into out[layer] [num_decode, KVH, width]
+    (stored index order); key_positions (the same shape, per layer) key their noise."""
+    temps: torch.Tensor          # [num_decode] float32
+    row_keys: torch.Tensor       # [num_decode] int64
+    out: torch.Tensor            # [L, num_decode, KVH, width] float32
+    key_positions: torch.Tensor  # [L, num_decode, KVH, width] int32
 
 
 @dataclass
@@ -24,6 +51,7 @@ class PrefillSegment:
     # Position of each of the context_len stored tokens, when they are not 0 .. context_len - 1
     # (tokens were dropped); the chunk's own tokens are the last num_tokens.
     key_positions: torch.Tensor | None = None
+    scores: PromptScores | None = None
 
 
 @dataclass
@@ -33,20 +61,27 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None   # [num_decode] int32
     prefills: list[PrefillSegment] = field(default_factory=list)
+    decode_scores: DecodeScores | None = None
 
 
 def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, backend: str,
+                           scores: DecodeScores | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
-    if backend == "cpp":
+    if backend == "cpp" and scores is None:
         out, _lse = torch.ops.loom.paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
                                                           block_tables, context_lens, scale)
         return out
-    return _decode_reference(q, cache, layer, block_tables, context_lens, scale)
+    if backend == "cpp":
+        out, _lse = torch.ops.loom.paged_decode_attention_scored(
+            q.contiguous(), cache.keys[layer], cache.values[layer], block_tables, context_lens, scale,
+            scores.out[layer], scores.temps, scores.row_keys, layer, scores.key_positions[layer])
+        return out
+    return _decode_reference(q, cache, layer, block_tables, context_lens, scale, scores)
 
 
 def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, scores: DecodeScores | None) -> torch.Tensor:
     """Plain PyTorch: gather each sequence's blocks and run SDPA. Obviously right, not fast."""
     out = torch.empty_like(q)
     bs = cache.block_size
@@ -55,6 +90,34 @@ def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables:
         k, v = cache.gather(layer, block_tables[b, : (n + bs - 1) // bs].long(), n)
         out[b] = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale,
                                                 enable_gqa=k.shape[0] != q.shape[1]).squeeze(1)
+        if scores is not None and scores.temps[b] > 0:
+            scores.out[layer, b, :, :n] += reference_row_scores(
+                _logits(q[b:b + 1], k, scale), k.shape[0], torch.tensor([n]), scores.temps[b:b + 1],
+                scores.row_keys[b:b + 1], layer, scores.key_positions[layer, b, :, :n])
+    return out
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [r, H, D] against k [KVH, ctx, D] -> scaled logits [H, r, ctx] float32."""
+    group = q.shape[1] // k.shape[0]
+    return torch.matmul(q.float().transpose(0, 1), k.float().repeat_interleave(group, 0).transpose(1, 2)) * scale
+
+
+def prompt_row_scores(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillSegment, scale: float,
+                      backend: str) -> torch.Tensor:
+    """The chunk's scored rows' scores over its context: [KVH, context_len]. The chunk's stored
+    order is position order (prompts are compressed only once computed)."""
+    scored = (seg.scores.temps > 0).nonzero().squeeze(1)
+    k, _ = cache.gather(layer, seg.block_ids, seg.context_len)
+    out = torch.zeros(k.shape[0], seg.context_len)
+    first = seg.context_len - seg.num_tokens  # stored index of the chunk's first token
+    for rows in scored.split(SCORE_ROWS):
+        logits, visible = _logits(q[rows], k, scale), first + rows + 1
+        temps, keys = seg.scores.temps[rows], seg.scores.row_keys[rows]
+        if backend == "cpp":
+            out += torch.ops.loom.attention_row_scores(logits, k.shape[0], visible, temps, keys, layer)
+        else:
+            out += reference_row_scores(logits, k.shape[0], visible, temps, keys, layer)
     return out
 
 
@@ -90,8 +153,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     nd = meta.num_decode_tokens
     if nd:
         out[:nd] = paged_decode_attention(q[:nd], cache, layer, meta.decode_block_tables,
-                                          meta.decode_context_lens, scale, backend)
+                                          meta.decode_context_lens, scale, backend, meta.decode_scores)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_tokens)
         out[rows] = prefill_attention(q[rows], cache, layer, seg, scale, backend)
+        if seg.scores is not None:
+            seg.scores.out[layer] += prompt_row_scores(q[rows], cache, layer, seg, scale, backend)
     return out

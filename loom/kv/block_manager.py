@@ -15,7 +15,9 @@ their tokens while the blocks sit in swap slots.
 
 Any stored token can be dropped (`drop`, for a KV policy): the last stored tokens move into the
 holes, so a sequence's stored tokens always fill its first slots and attention reads them as it
-reads any other; blocks left empty go back to the pool. A map that dropped tokens enters no
+reads any other; blocks left empty go back to the pool. `drop_per_head` serves policies whose
+drops differ per layer and kv head: it makes the written blocks the map's own and truncates,
+and the policy moves tokens within each head's slice of the slots. A map that dropped tokens enters no
 block into the prefix cache; its drops write into a block the cache lists only when the pool
 has no block left to copy it to (the block then leaves the cache).
 """
@@ -42,12 +44,14 @@ class SlotMap:
 
     `num_tokens` counts the tokens stored (what attention reads), which the scheduler keeps
     apart from how far the sequence has been computed. `positions` is None while stored token i
-    is the sequence's token i; once tokens were dropped it lists each stored token's position.
-    Written only by the BlockManager; everyone else reads."""
+    is the sequence's token i; once tokens were dropped it lists each stored token's position,
+    unless the drops differed per layer and kv head (`heads_differ`: the KV policy's state
+    knows the positions). Written only by the BlockManager; everyone else reads."""
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     positions: list[int] | None = None
+    heads_differ: bool = False
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     swap_ids: list[int] = field(default_factory=list)  # second-tier slots while swapped out
@@ -140,8 +144,9 @@ class BlockManager:
         stored, and enters newly filled blocks into the prefix cache (`token_ids` gives the
         sequence's tokens, asked for only then; a map with dropped tokens enters none)."""
         slots.num_tokens += num_new_tokens
-        if slots.positions is not None:
-            slots.positions += range(first_position, first_position + num_new_tokens)
+        if slots.positions is not None or slots.heads_differ:
+            if slots.positions is not None:
+                slots.positions += range(first_position, first_position + num_new_tokens)
             return
         full = slots.num_tokens // self.block_size
         if not self.enable_prefix_caching or full <= slots.num_registered_blocks:
@@ -215,13 +220,48 @@ class BlockManager:
         kept = n - len(dropped)
         holes = sorted(i for i in dropped if i < kept)
         fills = [i for i in range(kept, n) if i not in dropped]  # as many as holes
-        # A block others hold is never written: its content moves to a copy. So is one the prefix
-        # cache lists, while free blocks remain; without one it is written and leaves the cache.
-        written = sorted({h // bs for h in holes})
-        to_copy = [b for b in written if self.blocks[slots.block_ids[b]].ref_count > 1]
-        if len(to_copy) > self.num_free_blocks:
+        source = self._make_writable(slots, {h // bs for h in holes})
+        if source is None:
             return False
-        cached = [b for b in written if b not in to_copy and self.blocks[slots.block_ids[b]].hash is not None]
+        old_slots = dict(source)
+        for h, f in zip(holes, fills):
+            f_slot = slots.block_ids[f // bs] * bs + f % bs
+            source[slots.block_ids[h // bs] * bs + h % bs] = old_slots.get(f_slot, f_slot)
+        self._pending_moves += [(src, dst) for dst, src in source.items() if src != dst]
+        positions = slots.positions if slots.positions is not None else list(range(n))
+        for h, f in zip(holes, fills):
+            positions[h] = positions[f]
+        slots.positions = positions[:kept]
+        self._truncate(slots, kept)
+        return True
+
+    def drop_per_head(self, slots: SlotMap, written: set[int], kept: int) -> bool:
+        """Makes room for a drop that differs per layer and kv head (a scored KV policy): the
+        stored indices in `written` will be overwritten in some head, by moves the caller makes
+        after this call's (`take_moves`), and the map then keeps its first `kept` tokens. Blocks
+        written are copied first as `drop` does; returns False, changing nothing, when a copy
+        finds no free block. The map's positions are then per head: the caller keeps them."""
+        if not 0 <= kept <= slots.num_tokens or any(not 0 <= i < kept for i in written):
+            raise ValueError(f"drop_per_head: written indices must be in [0, kept={kept}), kept in "
+                             f"[0, {slots.num_tokens}]")
+        source = self._make_writable(slots, {i // self.block_size for i in written})
+        if source is None:
+            return False
+        self._pending_moves += [(src, dst) for dst, src in source.items()]
+        slots.positions, slots.heads_differ = None, True
+        self._truncate(slots, kept)
+        return True
+
+    def _make_writable(self, slots: SlotMap, written: set[int]) -> dict[int, int] | None:
+        """Gives the map a block of its own for each of its blocks (indices into its table) about
+        to be written: one others share is copied, and so is one the prefix cache lists while
+        free blocks remain (without one it is written and leaves the cache). Returns each new
+        slot's source slot, or None, changing nothing, when a needed copy finds no free block."""
+        bs = self.block_size
+        to_copy = [b for b in sorted(written) if self.blocks[slots.block_ids[b]].ref_count > 1]
+        if len(to_copy) > self.num_free_blocks:
+            return None
+        cached = [b for b in sorted(written) if b not in to_copy and self.blocks[slots.block_ids[b]].hash is not None]
         spare = self.num_free_blocks - len(to_copy)
         to_copy += cached[:spare]
         for b in cached[spare:]:
@@ -235,41 +275,41 @@ class BlockManager:
             self._release(old)
             slots.block_ids[b] = fresh
             source.update({fresh * bs + i: old * bs + i for i in range(bs)})
-        old_slots = dict(source)
-        for h, f in zip(holes, fills):
-            f_slot = slots.block_ids[f // bs] * bs + f % bs
-            source[slots.block_ids[h // bs] * bs + h % bs] = old_slots.get(f_slot, f_slot)
-        self._pending_moves += [(src, dst) for dst, src in source.items() if src != dst]
-        positions = slots.positions if slots.positions is not None else list(range(n))
-        for h, f in zip(holes, fills):
-            positions[h] = positions[f]
-        slots.positions = positions[:kept]
+        return source
+
+    def _truncate(self, slots: SlotMap, kept: int) -> None:
+        """Keeps the map's first `kept` stored tokens, freeing the blocks left empty; a map that
+        dropped tokens offers no block to the prefix cache."""
         slots.num_tokens = kept
-        for block_id in reversed(slots.block_ids[-(-kept // bs):]):
+        for block_id in reversed(slots.block_ids[-(-kept // self.block_size):]):
             self._release(block_id)
-        del slots.block_ids[-(-kept // bs):]
+        del slots.block_ids[-(-kept // self.block_size):]
         slots.block_hashes, slots.num_registered_blocks = [], 0
-        return True
 
     def fork(self, parent: SlotMap) -> SlotMap:
         """A map sharing every block of `parent` (written later only through copy-on-write)."""
         for block_id in parent.block_ids:
             self.blocks[block_id].ref_count += 1
         return SlotMap(self.block_size, list(parent.block_ids), parent.num_tokens,
-                       None if parent.positions is None else list(parent.positions), list(parent.block_hashes),
-                       parent.num_registered_blocks)
+                       None if parent.positions is None else list(parent.positions), parent.heads_differ,
+                       list(parent.block_hashes), parent.num_registered_blocks)
 
-    def free(self, slots: SlotMap) -> None:
-        """Releases everything the map holds, pool blocks or swap slots; it is empty after."""
+    def free(self, slots: SlotMap, keep_moves: bool = False) -> None:
+        """Releases everything the map holds, pool blocks or swap slots; it is empty after. The
+        copies and moves still due into its blocks are moot and dropped (they could land in a
+        block another map takes before they are made), unless `keep_moves` (a swap-out copies
+        the blocks after they are made)."""
         # Tail first: the end of a prefix is the least likely part to be shared again, so it
         # should be evicted before the head.
         for block_id in reversed(slots.block_ids):
             self._release(block_id)
-        if self._pending_copies:  # a copy into a block this sequence no longer holds is moot
-            held = set(slots.block_ids)
-            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in held]
+        held = set(slots.block_ids)
+        self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in held]
+        if not keep_moves:
+            self._pending_moves = [(src, dst) for src, dst in self._pending_moves
+                                   if dst // self.block_size not in held]
         self._free_swap_ids.extend(slots.swap_ids)
-        slots.block_ids, slots.swap_ids, slots.positions = [], [], None
+        slots.block_ids, slots.swap_ids, slots.positions, slots.heads_differ = [], [], None, False
         slots.num_tokens = slots.num_registered_blocks = 0
 
     def usage(self, maps: Iterable[SlotMap]) -> tuple[int, int]:
@@ -291,9 +331,9 @@ class BlockManager:
         # A block still waiting for its copy-on-write copy holds nothing yet: save the source.
         pending = {dst: src for src, dst in self._pending_copies}
         pairs = [(pending.get(b, b), self._free_swap_ids.popleft()) for b in slots.block_ids]
-        stored, positions, hashes = slots.num_tokens, slots.positions, slots.block_hashes
-        self.free(slots)
-        slots.num_tokens, slots.positions, slots.block_hashes = stored, positions, hashes
+        stored, positions, heads_differ, hashes = slots.num_tokens, slots.positions, slots.heads_differ, slots.block_hashes
+        self.free(slots, keep_moves=True)
+        slots.num_tokens, slots.positions, slots.heads_differ, slots.block_hashes = stored, positions, heads_differ, hashes
         slots.swap_ids = [slot for _, slot in pairs]
         return pairs
 

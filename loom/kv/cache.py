@@ -42,6 +42,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         # torch.empty: pages are touched only as blocks fill; no slot is read before it is written.
+        # A tensor per layer (not views of one): compiled steps write them as separate inputs.
         self.keys = [torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
                      for _ in range(num_layers)]
         self.values = [torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
@@ -69,6 +70,25 @@ class KVCache:
         for keys, values in zip(self.keys, self.values):
             keys[dst // bs, :, :, dst % bs] = keys[src // bs, :, :, src % bs]
             values[dst // bs, :, dst % bs] = values[src // bs, :, src % bs]
+
+    def move(self, pairs: list[tuple[int, int]], head_moves: torch.Tensor | None) -> None:
+        """A step's moves from dropped tokens: slots src -> dst in every layer and head (`pairs`)
+        and single slots within one layer's kv head (`head_moves` [M, 4] as (layer, kv head,
+        src slot, dst slot)); every read happens before any write."""
+        staged = []
+        if head_moves is not None and head_moves.numel():
+            head_moves = head_moves[head_moves[:, 0].argsort(stable=True)].to(self.keys[0].device)
+            bs = self.block_size
+            counts = torch.bincount(head_moves[:, 0].cpu(), minlength=len(self.keys)).tolist()
+            for layer, moves in enumerate(head_moves.split(counts)):
+                if len(moves):
+                    _, head, src, dst = moves.unbind(1)
+                    staged.append((layer, head, dst, self.keys[layer][src // bs, head, :, src % bs],
+                                   self.values[layer][src // bs, head, src % bs]))
+        self.move_slots(pairs)
+        for layer, head, dst, k, v in staged:
+            self.keys[layer][dst // self.block_size, head, :, dst % self.block_size] = k
+            self.values[layer][dst // self.block_size, head, dst % self.block_size] = v
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""

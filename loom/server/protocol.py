@@ -43,6 +43,7 @@ class SamplingRequest(BaseModel):
     # Loom's: KV-cache compression (loom/kv/policy.py)
     kv_policy: str | None = None
     kv_budget: int | float | None = None
+    kv_recent_ratio: float | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
@@ -50,7 +51,7 @@ class SamplingRequest(BaseModel):
         given = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-            "stop_token_ids", "kv_policy", "kv_budget")}
+            "stop_token_ids", "kv_policy", "kv_budget", "kv_recent_ratio")}
         return SamplingParams(
             **{name: value for name, value in given.items() if value is not None},
             stop=self.stop or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -1,0 +1,118 @@
+"""Scores of the KV policies that choose tokens by attention (H2O, Keyformer, SnapKV).
+
+`HeadScores` is one sequence's record, per layer and kv head, of each stored token's position
+and accumulated score: those policies drop different tokens in each head, so stored index i
+holds a different token in each. The kernels add each step's scores (loom/kernels); this module
+also holds their plain-PyTorch definition, which the reference attention backend runs and the
+tests check the kernels against.
+
+Keyformer's noise g is Gumbel(0, 1) by inverse CDF on a grid of 2^GUMBEL_BITS quantiles, indexed
+by a counter-based hash of (row key, layer, kv head, key position): a query's noise depends on
+what it is, never on its batch or chunk. A row key is hashed from (seed, sample, position).
+"""
+from __future__ import annotations
+
+import torch
+
+GUMBEL_BITS = 12
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer hash with good avalanche, for Python ints and int64 tensors alike."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & MASK32
+    return (x >> 16) ^ x
+
+
+def row_key(seed: int, sample: int, position: int) -> int:
+    return mix32(mix32(mix32(seed & MASK32) ^ (sample & MASK32)) ^ (position & MASK32))
+
+
+def gumbel_reference(row_keys: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+    """The noise of rows [r] over key positions [KVH, n] -> [r, KVH, n] (what the kernels add)."""
+    num_kv_heads = positions.shape[0]
+    grid = (torch.arange(1 << GUMBEL_BITS, dtype=torch.float64) + 0.5) / (1 << GUMBEL_BITS)
+    table = (-torch.log(-torch.log(grid))).float()
+    keys = mix32(mix32(row_keys.long() & MASK32 ^ mix32(layer + 1))[:, None]
+                 ^ ((torch.arange(num_kv_heads) + 1) * 0x9E3779B9 & MASK32))  # [r, KVH]
+    h = mix32(keys[:, :, None] ^ ((positions.long() & MASK32) * 0x85EBCA6B & MASK32)[None])
+    return table[h >> (32 - GUMBEL_BITS)]
+
+
+def reference_row_scores(logits: torch.Tensor, num_kv_heads: int, visible: torch.Tensor, temps: torch.Tensor,
+                         row_keys: torch.Tensor, layer: int, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows' scores, the definition: logits [H, r, ctx] (scaled q.k), each row seeing its first
+    visible[r] keys; row r scores with temperature temps[r] (0: not at all), with Gumbel noise
+    keyed by row_keys[r] (-1: none) and the keys' positions ([KVH, ctx]; None: key t is at
+    position t). Returns [KVH, ctx]: softmax((x + g) / tau) summed over rows and each kv head's
+    query heads."""
+    num_heads, rows, ctx = logits.shape
+    x = logits.float().view(num_kv_heads, num_heads // num_kv_heads, rows, ctx)
+    if key_positions is None:
+        key_positions = torch.arange(ctx).expand(num_kv_heads, ctx)
+    noise = gumbel_reference(row_keys, layer, key_positions).permute(1, 0, 2)  # [KVH, r, ctx]
+    noise = noise * (row_keys >= 0)[None, :, None]
+    y = (x + noise[:, None]) / temps.clamp(min=1e-30)[None, None, :, None]
+    y = y.masked_fill(torch.arange(ctx)[None, :] >= visible[:, None], float("-inf"))
+    p = torch.softmax(y, dim=-1) * (temps > 0)[None, None, :, None]
+    return p.sum(dim=(1, 2))
+
+
+class HeadScores:
+    """Per layer and kv head, the position and accumulated score of each stored token of one
+    sequence (kept in step with its slot map's stored count)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, capacity: int = 64) -> None:
+        self._positions = torch.zeros(num_layers, num_kv_heads, capacity, dtype=torch.int32)
+        self._scores = torch.zeros(num_layers, num_kv_heads, capacity)
+        self.num_tokens = 0
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[:, :, :self.num_tokens]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self._scores[:, :, :self.num_tokens]
+
+    def append(self, first_position: int, count: int) -> None:
+        """Records `count` new stored tokens at consecutive positions, with no score yet."""
+        n = self.num_tokens + count
+        if n > self._positions.shape[-1]:
+            grow = max(n, 2 * self._positions.shape[-1]) - self._positions.shape[-1]
+            self._positions = torch.cat([self._positions, self._positions.new_zeros(*self._positions.shape[:2], grow)], -1)
+            self._scores = torch.cat([self._scores, self._scores.new_zeros(*self._scores.shape[:2], grow)], -1)
+        self._positions[:, :, self.num_tokens:n] = torch.arange(first_position, first_position + count,
+                                                                dtype=torch.int32)
+        self._scores[:, :, self.num_tokens:n] = 0
+        self.num_tokens = n
+
+    def add(self, step_scores: torch.Tensor) -> None:
+        """Adds a step's scores [L, KVH, m] to the first m stored tokens."""
+        self._scores[:, :, :step_scores.shape[-1]] += step_scores
+
+    def clone(self) -> HeadScores:
+        other = HeadScores.__new__(HeadScores)
+        other._positions, other._scores, other.num_tokens = self._positions.clone(), self._scores.clone(), self.num_tokens
+        return other
+
+    def plan_drop(self, dropped: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """For stored indices to drop [L, KVH, k] (the same count in each head): in each head the
+        last kept tokens move into the holes below the new count. Returns the moves [M, 4] as
+        (layer, kv head, from index, to index) and the indices written in any head; `apply`
+        makes them here, the KV cache in the slots."""
+        n, k = self.num_tokens, dropped.shape[-1]
+        kept = n - k
+        gone = torch.zeros(self._positions.shape[:2] + (n,), dtype=torch.bool)
+        gone.scatter_(-1, dropped.long(), True)
+        holes = gone[:, :, :kept].nonzero()        # (layer, head, index), row-major: per head ascending
+        fills = (~gone[:, :, kept:]).nonzero()     # as many per head as that head has holes
+        moves = torch.stack([holes[:, 0], holes[:, 1], fills[:, 2] + kept, holes[:, 2]], dim=1)
+        return moves, set(holes[:, 2].unique().tolist())
+
+    def apply(self, moves: torch.Tensor, kept: int) -> None:
+        l, h, src, dst = moves.unbind(1)
+        self._positions[l, h, dst] = self._positions[l, h, src]
+        self._scores[l, h, dst] = self._scores[l, h, src]
+        self.num_tokens = kept

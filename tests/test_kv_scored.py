@@ -1,0 +1,303 @@
+"""The scored KV policies (h2o, keyformer, snapkv): exact kept sets on crafted scores, the
+kernels' scores against their PyTorch definition, and generations equal to a dense model that
+applies each policy's definition step by step, layer by layer and kv head by kv head."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from loom import LLM, SamplingParams
+from loom.kernels import load_kernels
+from loom.kv.cache import KVCache
+from loom.kv.policy import SNAPKV_POOL, SNAPKV_WINDOW, KVPolicy
+from loom.kv.scores import HeadScores, gumbel_reference, reference_row_scores, row_key
+
+BLOCK = 8
+
+
+# ---- selection on crafted scores --------------------------------------------------------------
+def kept_positions(policy: KVPolicy, positions: torch.Tensor, scores: torch.Tensor, last: int,
+                   num_prompt: int) -> list[list[list[int]]]:
+    dropped = policy.heads_to_drop(positions, scores, last, num_prompt)
+    keep = torch.ones_like(positions, dtype=torch.bool)
+    if dropped is not None:
+        keep.scatter_(-1, dropped, False)
+    return [[sorted(positions[l, h][keep[l, h]].tolist()) for h in range(positions.shape[1])]
+            for l in range(positions.shape[0])]
+
+
+def test_h2o_keeps_the_recent_window_and_the_top_scores_of_each_head():
+    positions = torch.arange(12, dtype=torch.int32).expand(2, 2, 12).clone()
+    scores = torch.tensor([[[9., 1, 8, 2, 7, 3, 6, 4, 5, 0.5, 0, 0], [0., 9, 0.1, 8, 0.2, 7, 0.3, 6, 0.4, 5, 5, 5]],
+                           [[1., 1.1, 1.2, 1.3, 9, 8, 1.4, 1.5, 1.6, 1.7, 0, 0], [5., 4, 3, 2, 1, 0, 0.1, 0.2, 0.3, .4, 9, 9]]])
+    policy = KVPolicy("h2o", budget=6, recent=2)  # 10 and 11, and the top 4 of 0..9 in each head
+    assert kept_positions(policy, positions, scores, last=11, num_prompt=12) == [
+        [[0, 2, 4, 6, 10, 11], [1, 3, 5, 7, 10, 11]], [[4, 5, 8, 9, 10, 11], [0, 1, 2, 3, 10, 11]]]
+    # Stored order is not position order after holes were filled: the window is by position
+    # (stored index 0 holds position 11), the scores by stored index (position 0 scored 11).
+    shuffled = torch.tensor([11, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0], dtype=torch.int32).expand(1, 1, 12)
+    flat = torch.tensor([[[0., 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]])
+    assert kept_positions(policy, shuffled, flat, 11, 12) == [[[0, 7, 8, 9, 10, 11]]]
+    assert policy.heads_to_drop(positions[:, :, :6], scores[:, :, :6], 5, 6) is None  # within budget
+
+
+def test_keyformer_temperature_rises_from_one_to_two_over_max_tokens():
+    policy = KVPolicy.resolve("keyformer", 0.5, num_prompt_tokens=40, recent_ratio=0.25, max_tokens=10)
+    assert (policy.budget, policy.recent) == (20, 5)
+    assert [policy.score_temperature(p, 40) for p in (0, 39, 40, 45, 49)] == [1.0, 1.0, 1.0, 1.5, 1.9]
+    h2o = KVPolicy.resolve("h2o", 0.5, 40)
+    assert [h2o.score_temperature(p, 40) for p in (0, 45)] == [1.0, 1.0] and not h2o.noisy and policy.noisy
+
+
+def test_snapkv_scores_only_its_window_pools_and_then_keeps_every_generated_token():
+    policy = KVPolicy.resolve("snapkv", 40, num_prompt_tokens=100)
+    assert policy.recent == SNAPKV_WINDOW
+    assert [policy.score_temperature(p, 100) for p in (67, 68, 99, 100)] == [0.0, 1.0, 1.0, 0.0]
+    positions = torch.arange(100, dtype=torch.int32).view(1, 1, 100)
+    scores = torch.zeros(1, 1, 100)
+    scores[0, 0, 20] = 1.0  # one hit: pooling keeps its neighbours, 8 of them fill the budget
+    kept = kept_positions(policy, positions, scores, 99, 100)[0][0]
+    half = SNAPKV_POOL // 2
+    assert kept[:SNAPKV_POOL] == list(range(20 - half, 20 + half + 1)) and kept[-SNAPKV_WINDOW:] == list(range(68, 100))
+    assert len(kept) == 40
+    # Generated tokens never go: with 5 generated the budget is 45.
+    grown = torch.cat([positions[:, :, :40], torch.arange(100, 105, dtype=torch.int32).view(1, 1, 5)], -1)
+    assert policy.heads_to_drop(grown, torch.zeros(1, 1, 45), 104, 100) is None
+
+
+def test_head_scores_fill_each_heads_holes_from_its_tail():
+    state = HeadScores(1, 2, capacity=2)
+    state.append(0, 6)
+    state.add(torch.arange(12.).view(1, 2, 6))
+    moves, written = state.plan_drop(torch.tensor([[[1, 5], [3, 4]]]))
+    state.apply(moves, 4)
+    assert state.positions.tolist() == [[[0, 4, 2, 3], [0, 1, 2, 5]]]
+    assert state.scores.tolist() == [[[0., 4, 2, 3], [6, 7, 8, 11]]]
+    assert moves.tolist() == [[0, 0, 4, 1], [0, 1, 5, 3]] and written == {1, 3}
+    copy = state.clone()
+    copy.append(6, 1)
+    assert state.num_tokens == 4 and copy.positions[0, 0].tolist() == [0, 4, 2, 3, 6]
+
+
+# ---- the kernels' scores against their definition --------------------------------------------
+def test_gumbel_noise_is_keyed_and_distributed_as_gumbel():
+    load_kernels()
+    keys = torch.tensor([row_key(0, 0, p) for p in range(64)])
+    positions = torch.arange(2048, dtype=torch.int32)
+    noise = torch.ops.loom.gumbel_noise(keys, 3, 2, positions)
+    assert torch.allclose(noise, gumbel_reference(keys, 3, positions.expand(2, -1)), atol=1e-6)
+    euler_gamma, variance = 0.5772, torch.pi ** 2 / 6
+    assert abs(noise.mean() - euler_gamma) < 0.01 and abs(noise.var() - variance) < 0.03
+    assert not torch.equal(noise[:, 0], noise[:, 1]) and not torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise, torch.ops.loom.gumbel_noise(keys, 4, 2, positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,block_size", [(2, 16), (1, 8), (4, 16)])
+def test_decode_kernel_scores_equal_their_definition(dtype, kv_heads, block_size):
+    load_kernels()
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim, batch, num_blocks = 4, 32, 3, 40
+    cache = KVCache(2, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape, generator=g))
+    lens = torch.tensor([37, 1, 70], dtype=torch.int32)
+    per_seq = -(-70 // block_size)
+    width = per_seq * block_size
+    tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).int()
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    temps = torch.tensor([1.5, 1.0, 0.0])
+    keys = torch.tensor([row_key(1, 0, 37), -1, 5])
+    positions = torch.randint(0, 1000, (batch, kv_heads, width), generator=g, dtype=torch.int32)
+    out = torch.zeros(batch, kv_heads, width)
+    attn, _ = torch.ops.loom.paged_decode_attention_scored(q, cache.keys[1], cache.values[1], tables, lens, 0.3,
+                                                           out, temps, keys, 1, positions)
+    plain, _ = torch.ops.loom.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lens, 0.3)
+    assert torch.equal(attn, plain)  # scoring changes nothing of the attention
+    for b in range(batch):
+        n = int(lens[b])
+        k, _ = cache.gather(1, tables[b, :(n + block_size - 1) // block_size].long(), n)
+        logits = torch.einsum("hd,htd->ht", q[b].float(), k.float().repeat_interleave(heads // kv_heads, 0)) * 0.3
+        expected = reference_row_scores(logits[:, None], kv_heads, torch.tensor([n]), temps[b:b + 1], keys[b:b + 1],
+                                        1, positions[b, :, :n])
+        assert torch.allclose(out[b, :, :n], expected, atol=1e-5), b
+        assert not out[b, :, n:].any()
+    assert torch.allclose(out[0].sum(-1), torch.full((kv_heads,), heads / kv_heads))  # probabilities, per query head
+    assert not out[2].any()  # temperature 0: not scored
+
+
+def test_prompt_row_scores_equal_their_definition():
+    load_kernels()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 6, 20, generator=g) * 3
+    visible = torch.tensor([15, 16, 17, 18, 19, 20])
+    temps = torch.tensor([1.0, 0.0, 1.0, 1.0, 2.0, 1.0])
+    keys = torch.tensor([-1, -1, 7, 8, 9, -1])
+    out = torch.ops.loom.attention_row_scores(logits, 2, visible, temps, keys, 5)
+    assert torch.allclose(out, reference_row_scores(logits, 2, visible, temps, keys, 5), atol=1e-5)
+    assert torch.allclose(out.sum(), torch.tensor(4 * 5.0))  # 5 scored rows, 4 query heads each
+
+
+# ---- generations against a dense model that applies the definitions ---------------------------
+def dense_policy_greedy(hf, prompt: list[int], max_tokens: int, name: str, budget: float,
+                        recent_ratio: float = 0.3, seed: int = 0) -> list[int]:
+    """The reference: the Hugging Face model's weights run densely one token at a time, every
+    token's K/V kept in full, with a mask per layer and kv head of what the policy keeps,
+    updated after every step from scores computed here by their definition."""
+    model = hf.model
+    cfg = hf.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim, group = cfg.hidden_size // heads, heads // kv_heads
+    policy = KVPolicy.resolve(name, budget, len(prompt), recent_ratio, max_tokens)
+    layers = len(model.layers)
+    ks = [torch.zeros(kv_heads, 0, head_dim) for _ in range(layers)]
+    vs = [torch.zeros(kv_heads, 0, head_dim) for _ in range(layers)]
+    kept = torch.zeros(layers, kv_heads, 0, dtype=torch.bool)  # per stored position
+    acc = torch.zeros(layers, kv_heads, 0)
+    ids = list(prompt)
+
+    def run(tokens: list[int], start: int) -> torch.Tensor:
+        """Runs tokens at positions start.. (a prompt at once, or one decode token); returns the
+        last row's logits and adds each scored row's scores to acc."""
+        nonlocal kept, acc
+        n = len(tokens)
+        pos = torch.arange(start, start + n)
+        kept = torch.cat([kept, torch.ones(layers, kv_heads, n, dtype=torch.bool)], -1)
+        acc = torch.cat([acc, torch.zeros(layers, kv_heads, n)], -1)
+        x = model.embed_tokens(torch.tensor([tokens]))
+        cos, sin = model.rotary_emb(x, pos[None])
+        temps = torch.tensor([policy.score_temperature(p, len(prompt)) for p in pos.tolist()])
+        for l, layer in enumerate(model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, n, heads, head_dim).transpose(1, 2)
+            k = a.k_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+            v = a.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            ks[l], vs[l] = torch.cat([ks[l], k[0]], 1), torch.cat([vs[l], v[0]], 1)
+            total = ks[l].shape[1]
+            logits = torch.einsum("hqd,htd->hqt", q[0], ks[l].repeat_interleave(group, 0)) / head_dim ** 0.5
+            causal = torch.arange(total)[None, :] <= pos[:, None]                     # [n, total]
+            visible = causal[None] & kept[l][:, None, :]                               # [kvh, n, total]
+            visible = visible.repeat_interleave(group, 0)
+            p = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+            out = torch.einsum("hqt,htd->hqd", p, vs[l].repeat_interleave(group, 0))
+            x = x + a.o_proj(out.transpose(0, 1).reshape(1, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            # Scores, by definition: softmax((x + g) / tau) over the visible keys, summed over the
+            # group's query heads and the rows.
+            noise = torch.zeros(kv_heads, n, total)
+            if policy.noisy:
+                rows = torch.tensor([row_key(seed, 0, r) for r in pos.tolist()])
+                noise = gumbel_reference(rows, l, torch.arange(total).expand(kv_heads, total)).transpose(0, 1)
+            y = (logits.view(kv_heads, group, n, total) + noise[:, None]) / temps.clamp(min=1e-9)[None, None, :, None]
+            f = torch.softmax(y.masked_fill(~visible.view(kv_heads, group, n, total), float("-inf")), -1)
+            acc[l] += (f * (temps > 0)[None, None, :, None]).sum((1, 2))
+        return hf.lm_head(model.norm(x))[0, -1]
+
+    def compress(last: int) -> None:
+        """Per layer and kv head: the budget's worth of kept tokens, the recent window first."""
+        for l in range(layers):
+            for h in range(kv_heads):
+                alive = kept[l, h].nonzero().squeeze(1)
+                limit = policy.budget
+                if name == "snapkv":
+                    limit += max(0, last + 1 - len(prompt))
+                if len(alive) <= limit:
+                    continue
+                score = acc[l, h, alive]
+                if name == "snapkv":
+                    score = F.avg_pool1d(score[None], SNAPKV_POOL, 1, SNAPKV_POOL // 2, count_include_pad=False)[0]
+                    protected = alive >= len(prompt) - policy.recent
+                else:
+                    protected = alive > last - policy.recent
+                order = sorted(range(len(alive)), key=lambda i: (protected[i].item(), score[i].item()))
+                for i in order[:len(alive) - limit]:
+                    kept[l, h, alive[i]] = False
+
+    with torch.no_grad():
+        logits = run(prompt, 0)
+        compress(len(prompt) - 1)
+        for _ in range(max_tokens):
+            ids.append(int(logits.argmax()))
+            if len(ids) - len(prompt) == max_tokens:
+                break
+            logits = run([ids[-1]], len(ids) - 1)
+            compress(len(ids) - 1)
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def gqa(hf_models):
+    return hf_models("llama_gqa")
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (length,), generator=g).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keyformer", "snapkv"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_generations_equal_the_dense_policy_model(gqa, policy, backend):
+    model_dir, hf = gqa
+    llm = LLM(str(model_dir), block_size=BLOCK, attention_backend=backend, max_num_batched_tokens=24)
+    batch = prompts(3, 45, seed=7)
+    # snapkv's window is 32 tokens: its budget must leave room for more
+    budget = 40 if policy == "snapkv" else 0.5
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_policy=policy, kv_budget=budget)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for p, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == dense_policy_greedy(hf, p, 24, policy, budget)
+    full = llm.generate([{"prompt_token_ids": p} for p in batch],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert any(f.outputs[0].token_ids != o.outputs[0].token_ids for f, o in zip(full, outs))
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def count_key_set_changes(model_dir) -> tuple[int, int]:
+    """Over a keyformer generation, per layer and kv head and decode step: how often the token
+    leaving the recent window was kept, and how often an older key token was evicted."""
+    llm = LLM(str(model_dir), block_size=BLOCK)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_policy="keyformer", kv_budget=0.5)
+    llm.engine.add_request({"prompt_token_ids": prompts(1, 40, seed=9)[0]}, params)
+    leaving_kept = key_evicted = 0
+    previous = None
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        for seq in llm.engine.scheduler.running:
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                continue
+            policy, state = seq.request.kv_policy, seq.kv_scores
+            last = seq.num_computed_tokens - 1
+            kept = [set(state.positions[l, h].tolist()) for l in range(2) for h in range(2)]
+            leaving_kept += sum(last - policy.recent in k for k in kept)
+            if previous is not None:  # a key token older than the one leaving the window is gone
+                key_evicted += sum(bool({p for p in old if p < last - policy.recent} - new)
+                                   for old, new in zip(previous, kept))
+            previous = kept
+    return leaving_kept, key_evicted
+
+
+def test_keyformer_key_set_keeps_changing_after_the_prompt(gqa, monkeypatch):
+    """Keyformer's reference code drops the token at index n - r (the one leaving the recent
+    window) at every step, which freezes the key tokens chosen at the prompt. Here a token
+    leaving the window competes with the key tokens by score: some are kept, and key tokens
+    chosen earlier are evicted for them. The same count under the reference's rule is zero."""
+    model_dir, _ = gqa
+    leaving_kept, key_evicted = count_key_set_changes(model_dir)
+    assert leaving_kept > 0 and key_evicted > 0
+
+    ours = KVPolicy.heads_to_drop
+
+    def off_by_one(self, positions, scores, last_position, num_prompt_tokens):
+        if last_position < num_prompt_tokens:  # the prompt is compressed as before
+            return ours(self, positions, scores, last_position, num_prompt_tokens)
+        if positions.shape[-1] <= self.budget:
+            return None
+        return (positions == last_position - self.recent).int().argmax(-1, keepdim=True)
+
+    monkeypatch.setattr(KVPolicy, "heads_to_drop", off_by_one)
+    assert count_key_set_changes(model_dir) == (0, 0)
