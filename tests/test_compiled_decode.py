@@ -5,6 +5,7 @@ compiled graph sees batch sizes shrink and contexts cross block boundaries (dyna
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import build_hf_model
 
 from loom import LLM, SamplingParams
@@ -101,11 +102,24 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
     model_dir, _ = hf_models("llama_gqa")
     params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, kv_policy=policy,
                              kv_budget=0.5) for p in PARAMS]
-    outs = {}
+    outs, scores = {}, {}
     for eager in (True, False):
         llm = LLM(str(model_dir), enforce_eager=eager, dtype="float32")
+        scheduler, seen = llm.engine.scheduler, []
+        postprocess = scheduler.postprocess
+
+        def record(batch, results, postprocess=postprocess, seen=seen):
+            seen += [(s.request.request_id, s.num_computed_tokens, r.kv_scores.clone())
+                     for s, r in zip(batch.seqs, results) if r.kv_scores is not None]
+            return postprocess(batch, results)
+
+        scheduler.postprocess = record
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        scores[eager] = seen
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
     assert outs[False] == outs[True]
+    # The scores each step added, layer by layer, are the eager ones.
+    assert [s[:2] for s in scores[False]] == [s[:2] for s in scores[True]]
+    assert all(torch.allclose(c[2], e[2], atol=1e-5) for c, e in zip(scores[False], scores[True]))
     code = llm.engine.runner.decode_forward._torchdynamo_orig_callable.__func__.__code__
     assert len(_debug_get_cache_entry_list(code)) > 2  # the load's two unscored graphs, and the scored

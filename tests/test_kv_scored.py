@@ -301,3 +301,69 @@ def test_keyformer_key_set_keeps_changing_after_the_prompt(gqa, monkeypatch):
 
     monkeypatch.setattr(KVPolicy, "heads_to_drop", off_by_one)
     assert count_key_set_changes(model_dir) == (0, 0)
+
+
+@pytest.mark.parametrize("num_dropped", [1, 3])
+def test_plan_drop_moves_equal_a_plain_compaction(num_dropped):
+    """Whatever holes each head has, its kept tokens end up in its first slots, in some order:
+    checked against the kept set itself, for the single-drop fast path and the general one."""
+    g = torch.Generator().manual_seed(num_dropped)
+    state = HeadScores(3, 4)
+    state.append(100, 20)
+    state.add(torch.rand(3, 4, 20, generator=g))
+    dropped = torch.rand(3, 4, 20, generator=g).argsort(-1)[..., :num_dropped]
+    before = state.positions.clone(), state.scores.clone()
+    moves, written = state.plan_drop(dropped)
+    state.apply(moves, 20 - num_dropped)
+    for l in range(3):
+        for h in range(4):
+            keep = sorted(set(range(20)) - set(dropped[l, h].tolist()))
+            assert sorted(state.positions[l, h].tolist()) == sorted(before[0][l, h, keep].tolist())
+            assert sorted(state.scores[l, h].tolist()) == sorted(before[1][l, h, keep].tolist())
+    assert written == set(moves[:, 3].tolist()) and all(d < 20 - num_dropped <= s for s, d in moves[:, 2:].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_kernel_equals_the_pytorch_moves(dtype):
+    """KVCache.move by Loom's op and by plain PyTorch: whole-slot pairs first, then per-head
+    moves, all reads before any write (a pair's destination is also a head move's, and a
+    head move reads a slot a pair overwrites)."""
+    load_kernels()
+    g = torch.Generator().manual_seed(3)
+    caches = [KVCache(3, 6, 2, 16, 8, dtype, "cpu", move_kernel=kernel) for kernel in (True, False)]
+    for t in range(6):
+        fill = [torch.randn(caches[0].keys[0].shape, generator=g).to(dtype) for _ in caches[0].keys]
+        for c in caches:
+            for k, v, f in zip(c.keys, c.values, fill):
+                k.copy_(f)
+                v.copy_(f.transpose(2, 3))
+    old = [k.clone() for k in caches[0].keys]
+    pairs = [(8, 40), (9, 41), (40, 9)]
+    heads = torch.tensor([[0, 1, 40, 3], [2, 0, 8, 41], [1, 1, 17, 40], [2, 1, 9, 16]])
+    for c in caches:
+        c.move(pairs, heads)
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        assert torch.equal(a, b)
+
+    def key(keys, layer, head, slot):
+        return keys[layer][slot // 8, head, :, slot % 8]
+
+    new = caches[0].keys
+    assert torch.equal(key(new, 0, 0, 41), key(old, 0, 0, 9))      # a pair
+    assert torch.equal(key(new, 2, 0, 41), key(old, 2, 0, 8))      # a head move over a pair's slot wins
+    assert torch.equal(key(new, 2, 1, 16), key(old, 2, 1, 9))      # read before the pair (40 -> 9) wrote it
+    assert torch.equal(key(new, 0, 1, 3), key(old, 0, 1, 40))      # read before the pair (8 -> 40) wrote it
+    assert torch.equal(key(new, 1, 0, 9), key(old, 1, 0, 40))
+
+
+def test_lowest_unprotected_op_equals_its_definition():
+    from loom.kv.scores import lowest_unprotected
+
+    load_kernels()
+    g = torch.Generator().manual_seed(4)
+    scores = torch.rand(3, 5, 300, generator=g)
+    positions = torch.randperm(300, generator=g).int().expand(3, 5, 300).contiguous()
+    fast = torch.ops.loom.lowest_unprotected(scores, positions, 199)
+    plain = scores.masked_fill(positions > 199, float("inf")).argmin(-1, keepdim=True)
+    assert torch.equal(fast, plain) and torch.equal(lowest_unprotected(scores, positions, 199), plain)
+    assert (positions.gather(-1, fast) <= 199).all()

@@ -35,7 +35,11 @@ def _engine(model_dir: Path, dtype: str, policy: str, budget: float | None, max_
             kv_cache_memory: int | None = None) -> LLM:
     llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
               kv_cache_memory=kv_cache_memory, kv_policy=policy, kv_budget=budget)
-    llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4, kv_policy="full"),
+    # Warm-up, untimed: the policy's own decode graphs too (scored steps compile theirs on first
+    # use), at shrinking batch sizes so the dynamic one is among them.
+    kv = {"kv_policy": policy, "kv_budget": 8} if policy != "full" else {"kv_policy": "full"}
+    llm.generate([{"prompt_token_ids": [5] * 16}] * 3,
+                 [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **kv) for m in (4, 8, 12)],
                  use_tqdm=False)
     return llm
 
@@ -56,6 +60,7 @@ def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, b
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     for prompt in _prompts(batch, prompt_len, vocab_size, seed):
         engine.add_request(prompt, params)
+    engine.step()  # the scheduler takes the requests in at a step
     while engine.has_unfinished_requests() and (scheduler.waiting or any(
             s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)):
         engine.step()

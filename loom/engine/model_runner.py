@@ -58,7 +58,7 @@ class ModelRunner:
         m = config.model_config
         num_blocks, num_swap_blocks = kv_cache_blocks(config)
         self.cache = KVCache(m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, config.cache.block_size,
-                             config.dtype, self.device)
+                             config.dtype, self.device, move_kernel=config.attention_backend == "cpp")
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
         self.seed = config.seed
@@ -101,7 +101,8 @@ class ModelRunner:
             # The table width is any size, 1 included: no specialization on its value.
             torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
             if meta.decode_scores is not None:  # a graph of its own, as dynamic
-                torch._dynamo.decorators.mark_unbacked(meta.decode_scores.out, 3)
+                for out in meta.decode_scores.out:
+                    torch._dynamo.decorators.mark_unbacked(out, 2)
                 torch._dynamo.decorators.mark_unbacked(meta.decode_scores.key_positions, 3)
             return self.decode_forward(ids, positions, self.cache, meta)
         return self.model(ids, positions, self.cache, meta)
@@ -136,8 +137,10 @@ class ModelRunner:
             return None
         num_layers, num_kv_heads = self.kv_heads
         shape = (num_layers, len(decodes), num_kv_heads, width)
+        # Only each scored row's first context-length entries are written (out, by the kernel) and read.
         scores = DecodeScores(temps=torch.zeros(len(decodes)), row_keys=torch.full((len(decodes),), -1),
-                              out=torch.zeros(shape), key_positions=torch.zeros(shape, dtype=torch.int32))
+                              out=[torch.empty(shape[1:]) for _ in range(num_layers)],
+                              key_positions=torch.empty(shape, dtype=torch.int32))
         for b, (temps, keys) in rows:
             seq = decodes[b]
             n = seq.kv.num_tokens
@@ -204,8 +207,9 @@ class ModelRunner:
         hidden = self._forward(ids, pos, meta, decode_only=not prefills)
         outputs = [SeqStepOutput() for _ in batch.seqs]
         if meta.decode_scores is not None:
+            step_scores = torch.stack(meta.decode_scores.out)
             for b in scored_rows:
-                outputs[b].kv_scores = meta.decode_scores.out[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
+                outputs[b].kv_scores = step_scores[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
         for i, seg in enumerate(prefills, start=batch.num_decodes):
             if seg.scores is not None:
                 outputs[i].kv_scores = seg.scores.out

@@ -23,6 +23,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -241,7 +243,7 @@ inline void add_row_scores(const float* x, int64_t n, float temp, bool noise, ui
 
 // What a scored decode call needs (out null for a plain one): per row, temps[b] (0: not scored)
 // and row_keys[b] (-1: no noise); the layer; key_positions [B, KVH, width] int32 (null: token t
-// is at position t); out [B, KVH, width] float, added to.
+// is at position t); out [B, KVH, width] float, written for each scored row's context.
 struct DecodeScores {
   const float* temps = nullptr;
   const int64_t* row_keys = nullptr;
@@ -267,7 +269,10 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       const int32_t* table = block_tables + b * max_blocks;
       scores.resize(group * num_blocks * BS);
       const bool score_row = scored.out && scored.temps[b] > 0.f;
-      if (score_row) tmp.resize(ctx);
+      if (score_row) {
+        tmp.resize(ctx);
+        std::fill_n(scored.out + (b * num_kv_heads + kvh) * scored.width, ctx, 0.f);
+      }
       for (int64_t g = 0; g < group; ++g) {
         const T* qrow = q + (b * num_heads + kvh * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(qrow, i) * scale;
@@ -612,8 +617,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
   return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, DecodeScores{});
 }
 
-// paged_decode_attention that also adds each scored row's attention over its stored tokens to
-// scores [B, KVH, width] float32 (width >= every context length): score_temps [B] float32 (0: row
+// paged_decode_attention that also writes each scored row's attention over its stored tokens to
+// scores[b, :, :context_lens[b]] ([B, KVH, width] float32, width >= every context length; other
+// entries untouched): score_temps [B] float32 (0: row
 // not scored), row_keys [B] int64 (-1: no noise), key_positions [B, KVH, width] int32 or None.
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_scored(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -733,6 +739,87 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
   return {out, lse};
 }
 
+// Copies single (layer, kv head, slot) entries of the pool, src -> dst, reading every source
+// before writing any: moves [M, 4] int64 rows of (layer, kv head, src slot, dst slot); keys and
+// values are the per-layer pools in the layouts above.
+template <typename E>  // E: an integer type of the element's size (elements are only copied)
+void move_head_slots_impl(at::TensorList keys, at::TensorList values, const int64_t* mv, int64_t m) {
+  const int64_t kvh = keys[0].size(1), head_dim = keys[0].size(2), bs = keys[0].size(3);
+  std::vector<E> staged(2 * m * head_dim);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t* r = mv + 4 * i;
+      const int64_t slot = pass == 0 ? r[2] : r[3], head_block = (slot / bs) * kvh + r[1];
+      E* k = static_cast<E*>(keys[r[0]].data_ptr()) + head_block * head_dim * bs + slot % bs;  // stride bs
+      E* v = static_cast<E*>(values[r[0]].data_ptr()) + (head_block * bs + slot % bs) * head_dim;
+      E* kbuf = staged.data() + 2 * i * head_dim;
+      E* vbuf = kbuf + head_dim;
+      if (pass == 0) {
+        for (int64_t d = 0; d < head_dim; ++d) kbuf[d] = k[d * bs];
+        std::copy(v, v + head_dim, vbuf);
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) k[d * bs] = kbuf[d];
+        std::copy(vbuf, vbuf + head_dim, v);
+      }
+    }
+  }
+}
+
+// Copies single (layer, kv head, slot) entries of the pool, src -> dst, reading every source
+// before writing any, writing in order: moves [M, 4] int64 rows of (layer, kv head, src slot,
+// dst slot); keys and values are the per-layer pools in the layouts above.
+void move_head_slots(at::TensorList keys, at::TensorList values, const at::Tensor& moves_in) {
+  const at::Tensor moves = moves_in.contiguous();
+  TORCH_CHECK(moves.scalar_type() == at::kLong && moves.dim() == 2 && moves.size(1) == 4, "moves must be [M, 4] int64");
+  TORCH_CHECK(!keys.empty() && keys.size() == values.size(), "one key and one value pool per layer");
+  const int64_t m = moves.size(0), layers = keys.size(), slots = keys[0].size(0) * keys[0].size(3);
+  const int64_t* mv = moves.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(mv[4 * i] >= 0 && mv[4 * i] < layers && mv[4 * i + 1] >= 0 && mv[4 * i + 1] < keys[0].size(1) &&
+                    mv[4 * i + 2] >= 0 && mv[4 * i + 2] < slots && mv[4 * i + 3] >= 0 && mv[4 * i + 3] < slots,
+                "move ", i, " is outside the pool");
+  switch (keys[0].element_size()) {
+    case 2: move_head_slots_impl<uint16_t>(keys, values, mv, m); break;
+    case 4: move_head_slots_impl<uint32_t>(keys, values, mv, m); break;
+    default: TORCH_CHECK(false, "move_head_slots supports 2- and 4-byte elements");
+  }
+}
+
+// For each row of scores [R, n] (float32), the index of its lowest score among the entries whose
+// position (positions [R, n] int32) is at most `newest`, as [R, 1] int64 (the first of equal
+// ones); a row with no such entry gets -1.
+at::Tensor lowest_unprotected(const at::Tensor& scores_in, const at::Tensor& positions_in, int64_t newest) {
+  TORCH_CHECK(scores_in.scalar_type() == at::kFloat && positions_in.scalar_type() == at::kInt &&
+                  scores_in.sizes() == positions_in.sizes() && scores_in.dim() >= 1,
+              "scores float32 and positions int32 of one shape");
+  // Rows may be spaced apart (a view of the first n of each row of a wider buffer): no copy.
+  const at::Tensor scores = scores_in.dim() > 1 ? scores_in.flatten(0, -2) : scores_in.unsqueeze(0);
+  const at::Tensor positions = positions_in.dim() > 1 ? positions_in.flatten(0, -2) : positions_in.unsqueeze(0);
+  const at::Tensor s_rows = scores.stride(1) == 1 ? scores : scores.contiguous();
+  const at::Tensor p_rows = positions.stride(1) == 1 ? positions : positions.contiguous();
+  const int64_t n = s_rows.size(1), rows = s_rows.size(0), lds = s_rows.stride(0), ldp = p_rows.stride(0);
+  std::vector<int64_t> shape(scores_in.sizes().begin(), scores_in.sizes().end());
+  shape.back() = 1;
+  auto out = at::empty(shape, scores_in.options().dtype(at::kLong));
+  const float* s = s_rows.data_ptr<float>();
+  const int32_t* p = p_rows.data_ptr<int32_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {  // a vectorized min, then its first index
+      const float* sr = s + r * lds;
+      const int32_t* pr = p + r * ldp;
+      float low = std::numeric_limits<float>::max();
+#pragma omp simd reduction(min : low)
+      for (int64_t t = 0; t < n; ++t) low = std::min(low, pr[t] <= newest ? sr[t] : std::numeric_limits<float>::max());
+      int64_t best = -1;
+      for (int64_t t = 0; t < n && best < 0; ++t)
+        if (pr[t] <= newest && sr[t] == low) best = t;
+      o[r] = best;
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -744,6 +831,8 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("attention_row_scores(Tensor logits, int num_kv_heads, Tensor visible, Tensor score_temps, "
         "Tensor row_keys, int layer) -> Tensor");
   m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");
+  m.def("move_head_slots(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor moves) -> ()");
+  m.def("lowest_unprotected(Tensor scores, Tensor positions, int newest) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom, CPU, m) {
@@ -752,4 +841,6 @@ TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("paged_decode_attention_scored", &paged_decode_attention_scored);
   m.impl("attention_row_scores", &attention_row_scores);
   m.impl("gumbel_noise", &gumbel_noise);
+  m.impl("move_head_slots", &move_head_slots);
+  m.impl("lowest_unprotected", &lowest_unprotected);
 }

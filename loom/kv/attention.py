@@ -35,10 +35,11 @@ class PromptScores:
 @dataclass
 class DecodeScores:
     """Decode rows score their keys, as PromptScores, into out[layer] [num_decode, KVH, width]
-    (stored index order); key_positions (the same shape, per layer) key their noise."""
+    (stored index order; a tensor per layer, since a compiled step mutates whole inputs
+    reliably, not views of one); key_positions[layer] (the same shape) key their noise."""
     temps: torch.Tensor          # [num_decode] float32
     row_keys: torch.Tensor       # [num_decode] int64
-    out: torch.Tensor            # [L, num_decode, KVH, width] float32
+    out: list[torch.Tensor]      # L x [num_decode, KVH, width] float32
     key_positions: torch.Tensor  # [L, num_decode, KVH, width] int32
 
 
@@ -91,7 +92,7 @@ def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables:
         out[b] = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale,
                                                 enable_gqa=k.shape[0] != q.shape[1]).squeeze(1)
         if scores is not None and scores.temps[b] > 0:
-            scores.out[layer, b, :, :n] += reference_row_scores(
+            scores.out[layer][b, :, :n] = reference_row_scores(
                 _logits(q[b:b + 1], k, scale), k.shape[0], torch.tensor([n]), scores.temps[b:b + 1],
                 scores.row_keys[b:b + 1], layer, scores.key_positions[layer, b, :, :n])
     return out

@@ -39,8 +39,9 @@ def kv_cache_blocks(config: EngineConfig) -> tuple[int, int]:
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, move_kernel: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.move_kernel = move_kernel  # per-head moves by Loom's C++ op (else plain PyTorch)
         # torch.empty: pages are touched only as blocks fill; no slot is read before it is written.
         # A tensor per layer (not views of one): compiled steps write them as separate inputs.
         self.keys = [torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
@@ -72,27 +73,38 @@ class KVCache:
             values[dst // bs, :, dst % bs] = values[src // bs, :, src % bs]
 
     def move(self, pairs: list[tuple[int, int]], head_moves: torch.Tensor | None) -> None:
-        """A step's moves from dropped tokens: slots src -> dst in every layer and head (`pairs`)
-        and single slots within one layer's kv head (`head_moves` [M, 4] as (layer, kv head,
-        src slot, dst slot)); every read happens before any write."""
-        staged = []
-        if head_moves is not None and head_moves.numel():
-            head_moves = head_moves[head_moves[:, 0].argsort(stable=True)].to(self.keys[0].device)
+        """A step's moves from dropped tokens: slots src -> dst in every layer and head (`pairs`),
+        then single slots within one layer's kv head (`head_moves` [M, 4] as (layer, kv head,
+        src slot, dst slot)); every read happens before any write, and a head move's write lands
+        after a pair's into the same slot."""
+        if head_moves is None or not head_moves.numel():
+            self.move_slots(pairs)
+        elif self.move_kernel:
+            num_layers, num_kv_heads = len(self.keys), self.keys[0].shape[1]
+            every = torch.cartesian_prod(torch.arange(num_layers), torch.arange(num_kv_heads))
+            expanded = [torch.cat([every, torch.tensor([[s, d]]).expand(len(every), 2)], 1) for s, d in pairs]
+            torch.ops.loom.move_head_slots(self.keys, self.values, torch.cat([*expanded, head_moves]))
+        else:
             bs = self.block_size
-            counts = torch.bincount(head_moves[:, 0].cpu(), minlength=len(self.keys)).tolist()
-            for layer, moves in enumerate(head_moves.split(counts)):
-                if len(moves):
-                    _, head, src, dst = moves.unbind(1)
-                    staged.append((layer, head, dst, self.keys[layer][src // bs, head, :, src % bs],
-                                   self.values[layer][src // bs, head, src % bs]))
-        self.move_slots(pairs)
-        for layer, head, dst, k, v in staged:
-            self.keys[layer][dst // self.block_size, head, :, dst % self.block_size] = k
-            self.values[layer][dst // self.block_size, head, dst % self.block_size] = v
+            staged = []
+            for layer, moves in enumerate(_by_layer(head_moves.to(self.keys[0].device), len(self.keys))):
+                _, head, src, dst = moves.unbind(1)
+                staged.append((layer, head, dst, self.keys[layer][src // bs, head, :, src % bs],
+                               self.values[layer][src // bs, head, src % bs]))
+            self.move_slots(pairs)
+            for layer, head, dst, k, v in staged:
+                self.keys[layer][dst // bs, head, :, dst % bs] = k
+                self.values[layer][dst // bs, head, dst % bs] = v
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
         copy_blocks(pairs, self.keys, self.keys, self.values, self.values)
+
+
+def _by_layer(moves: torch.Tensor, num_layers: int) -> list[torch.Tensor]:
+    """Rows of [M, 4] (layer, ...) moves, grouped by layer (in their order within each)."""
+    moves = moves[moves[:, 0].argsort(stable=True)]
+    return moves.split(torch.bincount(moves[:, 0].cpu(), minlength=num_layers).tolist())
 
 
 def copy_blocks(pairs: list[tuple[int, int]], src_keys: list[torch.Tensor], dst_keys: list[torch.Tensor],

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loom.kv.scores import lowest_unprotected
+
 KV_POLICIES = ("full", "window", "streaming", "h2o", "keyformer", "snapkv")
 SCORED_POLICIES = ("h2o", "keyformer", "snapkv")
 NUM_SINKS = 4
@@ -126,6 +128,8 @@ class KVPolicy:
         excess = positions.shape[-1] - budget
         if excess <= 0:
             return None
+        if excess == 1 and self.name != "snapkv":  # a decode step's drop, the common case
+            return lowest_unprotected(scores, positions, last_position - self.recent)
         if self.name == "snapkv":
             protected = positions >= num_prompt_tokens - self.recent
             # Pooled along positions: the prompt is compressed once, while stored order is position order.

@@ -59,6 +59,15 @@ def reference_row_scores(logits: torch.Tensor, num_kv_heads: int, visible: torch
     return p.sum(dim=(1, 2))
 
 
+def lowest_unprotected(scores: torch.Tensor, positions: torch.Tensor, newest: int) -> torch.Tensor:
+    """[..., 1] index of the lowest score among the entries at positions <= newest ([..., n]
+    float32 scores, int32 positions): Loom's C++ op when the kernels are built (one pass,
+    without the temporaries below), else the same in PyTorch."""
+    if hasattr(torch.ops.loom, "lowest_unprotected"):
+        return torch.ops.loom.lowest_unprotected(scores, positions, newest)
+    return torch.where(positions <= newest, scores, torch.inf).argmin(-1, keepdim=True)
+
+
 class HeadScores:
     """Per layer and kv head, the position and accumulated score of each stored token of one
     sequence (kept in step with its slot map's stored count)."""
@@ -104,6 +113,11 @@ class HeadScores:
         makes them here, the KV cache in the slots."""
         n, k = self.num_tokens, dropped.shape[-1]
         kept = n - k
+        if k == 1:  # a decode step's drop: the last token fills each head's hole (if not itself dropped)
+            holes = dropped[..., 0]
+            layer, head = (holes != kept).nonzero(as_tuple=True)
+            dst = holes[layer, head]
+            return torch.stack([layer, head, torch.full_like(dst, kept), dst], 1), set(dst.tolist())
         gone = torch.zeros(self._positions.shape[:2] + (n,), dtype=torch.bool)
         gone.scatter_(-1, dropped.long(), True)
         holes = gone[:, :, :kept].nonzero()        # (layer, head, index), row-major: per head ascending
