@@ -367,3 +367,15 @@ def test_lowest_unprotected_op_equals_its_definition():
     plain = scores.masked_fill(positions > 199, float("inf")).argmin(-1, keepdim=True)
     assert torch.equal(fast, plain) and torch.equal(lowest_unprotected(scores, positions, 199), plain)
     assert (positions.gather(-1, fast) <= 199).all()
+
+
+def test_keyformer_does_not_depend_on_batch_or_chunking(gqa):
+    """The noise is keyed by what a query and a key are, and scores add per row: the same
+    tokens whether sequences run alone or together, in prompt chunks of 16 or whole."""
+    model_dir, _ = gqa
+    batch = [{"prompt_token_ids": p} for p in prompts(4, 48, seed=11)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_policy="keyformer", kv_budget=0.5)
+    runs = [LLM(str(model_dir), block_size=BLOCK, **kw).generate(batch, params, use_tqdm=False)
+            for kw in ({}, {"max_num_seqs": 1}, {"max_num_batched_tokens": 16}, {"enable_chunked_prefill": False})]
+    tokens = [[o.outputs[0].token_ids for o in run] for run in runs]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0] and tokens[3] == tokens[0]

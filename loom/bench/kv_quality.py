@@ -64,6 +64,21 @@ def evaluate(llm: LLM, prompts: list[dict], samples: list, max_tokens: int) -> d
     return {"rows": rows, "full_generations": full_texts[:4]}
 
 
+def kvpress_needles(llm: LLM, model_dir: Path, samples: list, rows: list[dict], threads: int) -> None:
+    """The peer: kvpress's StreamingLLM and SnapKV presses on the same needle prompts (Loom's
+    token ids) and budgets, through transformers; adds `kvpress_needle_accuracy` to the rows of
+    Loom's policies of the same names."""
+    from loom.bench.kvpress_peer import PRESSES, run_kvpress
+
+    tok = llm.get_tokenizer()
+    answer_len = max(len(tok.encode(s.answer, add_special_tokens=False)) for s in samples) + 1
+    generated = run_kvpress(model_dir, [tok.encode(s.prompt) for s in samples], answer_len, list(BUDGETS), threads)
+    for row in rows:
+        if row["policy"] in PRESSES:
+            ids = generated[row["policy"]][str(row["budget"])]
+            row["kvpress_needle_accuracy"] = sum(tok.decode(i).startswith(s.answer) for s, i in zip(samples, ids)) / len(samples)
+
+
 def plot(path: Path, title: str, rows: list[dict]) -> None:
     import matplotlib
 
@@ -77,7 +92,11 @@ def plot(path: Path, title: str, rows: list[dict]) -> None:
     for ax, (key, ylabel) in zip(axes[0], panels):
         for policy in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
             mine = [r for r in rows if r["policy"] == policy]
-            ax.plot([100 * r["budget"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
+            line, = ax.plot([100 * r["budget"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
+            peer = [r for r in mine if f"kvpress_{key}" in r]
+            if peer:  # the peer's same press, dashed in the same colour
+                ax.plot([100 * r["budget"] for r in peer], [r[f"kvpress_{key}"] for r in peer], marker="x",
+                        linestyle="--", color=line.get_color(), label=f"kvpress {policy}")
         ax.axhline(rows[0][key], color="gray", linestyle=":", label="full cache")
         ax.set_xlabel("KV budget (% of the prompt)")
         ax.set_ylabel(ylabel)

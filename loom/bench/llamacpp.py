@@ -24,7 +24,8 @@ _NO_AMX = "-mno-amx-tile -mno-amx-int8"
 PEER_CMAKE_ARGS = f"-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF '-DCMAKE_C_FLAGS={_NO_AMX}' '-DCMAKE_CXX_FLAGS={_NO_AMX}'"
 
 
-def _peer_dir() -> Path:
+def peer_dir() -> Path:
+    """Where the peers' venvs and builds live (kept across runs)."""
     from loom.config import cache_root  # imported here: the peer venv has no torch
 
     return cache_root() / "peers"
@@ -32,7 +33,7 @@ def _peer_dir() -> Path:
 
 def ensure_llamacpp_venv() -> Path:
     """Creates (once) the peer venv with llama-cpp-python built for this CPU; returns its python."""
-    venv = _peer_dir() / "llamacpp-venv"
+    venv = peer_dir() / "llamacpp-venv"
     python = venv / "bin" / "python"
     marker = venv / ".loom-ready"
     env = dict(os.environ)
@@ -41,9 +42,9 @@ def ensure_llamacpp_venv() -> Path:
     if marker.is_file() and marker.read_text() == build:
         return python
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
-    _run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)],
+    run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)],
                  [str(python), "-m", "pip", "install", "--no-cache-dir", *PEER_PACKAGES]],
-                _peer_dir() / "llamacpp-build.log", env, "building the llama.cpp peer venv")
+                peer_dir() / "llamacpp-build.log", env, "building the llama.cpp peer venv")
     marker.write_text(build)
     return python
 
@@ -60,8 +61,8 @@ def ensure_llama_cpp_server() -> Path:
     marker = python.parents[1] / ".loom-server-ready"
     spec = f"llama-cpp-python[server]=={_peer_version(python)}"
     if not (marker.is_file() and marker.read_text() == spec):
-        _run_logged([[str(python), "-m", "pip", "install", "--no-cache-dir", spec]],
-                    _peer_dir() / "llamacpp-server-install.log",
+        run_logged([[str(python), "-m", "pip", "install", "--no-cache-dir", spec]],
+                    peer_dir() / "llamacpp-server-install.log",
                     dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", PEER_CMAKE_ARGS)),
                     "installing llama-cpp-python's server")
         marker.write_text(spec)
@@ -77,7 +78,7 @@ def ensure_llama_server() -> Path:
 
     python = ensure_llamacpp_venv()
     version = _peer_version(python)
-    home = _peer_dir() / "llama-server"
+    home = peer_dir() / "llama-server"
     binary, marker = home / "llama-server", home / ".loom-ready"
     build = f"llama-cpp-python=={version}\n{PEER_CMAKE_ARGS}\n"
     if binary.is_file() and marker.is_file() and marker.read_text() == build:
@@ -85,7 +86,7 @@ def ensure_llama_server() -> Path:
     home.mkdir(parents=True, exist_ok=True)
     log = home / "build.log"
     with tempfile.TemporaryDirectory(dir=home) as tmp:
-        _run_logged([[str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+        run_logged([[str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
                       f"llama-cpp-python=={version}"]], log, os.environ, "downloading llama-cpp-python's sources")
         with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as sdist:
             sdist.extractall(tmp, filter="data")
@@ -93,7 +94,7 @@ def ensure_llama_server() -> Path:
         # static: the binary outlives the build tree
         flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release",
                  f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
-        _run_logged([["cmake", "-S", str(source), "-B", f"{tmp}/build", *flags],
+        run_logged([["cmake", "-S", str(source), "-B", f"{tmp}/build", *flags],
                      ["cmake", "--build", f"{tmp}/build", "--target", "llama-server", "-j", str(os.cpu_count() or 1)]],
                     log, os.environ, "building llama-server")
         built = next(Path(tmp, "build").rglob("llama-server"))
@@ -102,7 +103,8 @@ def ensure_llama_server() -> Path:
     return binary
 
 
-def _run_logged(steps: list[list[str]], log_path: Path, env: dict, what: str) -> None:
+def run_logged(steps: list[list[str]], log_path: Path, env: dict | None, what: str) -> None:
+    """Runs each command in turn, all output to `log_path`; a failure raises, naming the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         for cmd in steps:

@@ -147,6 +147,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kq.add_argument("--corpus", type=Path, default=SHAKESPEARE,
                     help="text whose last 10%% gives the prompts and the needles' haystacks")
     sizes(kq, prompts=32, prompt_len=512, max_tokens=64, needles=50, needle_context=1024)
+    kq.add_argument("--kvpress", action="store_true",
+                    help="also run kvpress's StreamingLLM and SnapKV presses on the same needles (a venv of its own)")
     kq.set_defaults(func=_kv_quality)
 
     p = sub.add_parser("prefix", help="prefix caching on vs off for requests sharing a prefix")
@@ -267,8 +269,12 @@ def _kv_quality(args: argparse.Namespace) -> None:
     prompts = kv_quality.passages(llm, heldout_text, args.prompts, args.prompt_len)
     samples = kv_quality.needles(llm, train_text, heldout_text, args.needle_context, args.needles)
     result = kv_quality.evaluate(llm, prompts, samples, args.max_tokens)
+    if args.kvpress:
+        kv_quality.kvpress_needles(llm, model, samples, result["rows"], args.threads)
     for r in result["rows"]:
         needle = "" if r["needle_accuracy"] is None else f", needles {r['needle_accuracy']:.2f}"
+        if "kvpress_needle_accuracy" in r:
+            needle += f" (kvpress {r['kvpress_needle_accuracy']:.2f})"
         print(f"[{r['policy']} {r['budget']:.0%}] ROUGE-1 {r['rouge1']:.3f}, ROUGE-2 {r['rouge2']:.3f}, "
               f"ROUGE-L {r['rougeL']:.3f}{needle}", flush=True)
     path = write_report(report_name("kv_quality", model, DEFAULT_MODEL),

@@ -138,9 +138,10 @@ class ModelRunner:
         num_layers, num_kv_heads = self.kv_heads
         shape = (num_layers, len(decodes), num_kv_heads, width)
         # Only each scored row's first context-length entries are written (out, by the kernel) and read.
-        scores = DecodeScores(temps=torch.zeros(len(decodes)), row_keys=torch.full((len(decodes),), -1),
-                              out=[torch.empty(shape[1:]) for _ in range(num_layers)],
-                              key_positions=torch.empty(shape, dtype=torch.int32))
+        scores = DecodeScores(temps=torch.zeros(len(decodes), device=self.device),
+                              row_keys=torch.full((len(decodes),), -1, device=self.device),
+                              out=[torch.empty(shape[1:], device=self.device) for _ in range(num_layers)],
+                              key_positions=torch.empty(shape, dtype=torch.int32, device=self.device))
         for b, (temps, keys) in rows:
             seq = decodes[b]
             n = seq.kv.num_tokens
@@ -178,8 +179,8 @@ class ModelRunner:
                     seq.kv.positions + list(range(start, start + n)), device=self.device)
                 score_rows = self._score_rows(seq, start, n)
                 prompt_scores = None if score_rows is None else PromptScores(
-                    torch.tensor(score_rows[0]), torch.tensor(score_rows[1]),
-                    torch.zeros(*self.kv_heads, stored + n))
+                    torch.tensor(score_rows[0], device=self.device), torch.tensor(score_rows[1], device=self.device),
+                    torch.zeros(*self.kv_heads, stored + n, device=self.device))
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,
                                                key_positions=key_positions, scores=prompt_scores))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:

@@ -93,7 +93,7 @@ def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables:
                                                 enable_gqa=k.shape[0] != q.shape[1]).squeeze(1)
         if scores is not None and scores.temps[b] > 0:
             scores.out[layer][b, :, :n] = reference_row_scores(
-                _logits(q[b:b + 1], k, scale), k.shape[0], torch.tensor([n]), scores.temps[b:b + 1],
+                _logits(q[b:b + 1], k, scale), k.shape[0], torch.tensor([n], device=q.device), scores.temps[b:b + 1],
                 scores.row_keys[b:b + 1], layer, scores.key_positions[layer, b, :, :n])
     return out
 
@@ -110,7 +110,7 @@ def prompt_row_scores(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillS
     order is position order (prompts are compressed only once computed)."""
     scored = (seg.scores.temps > 0).nonzero().squeeze(1)
     k, _ = cache.gather(layer, seg.block_ids, seg.context_len)
-    out = torch.zeros(k.shape[0], seg.context_len)
+    out = torch.zeros(k.shape[0], seg.context_len, device=q.device)
     first = seg.context_len - seg.num_tokens  # stored index of the chunk's first token
     for rows in scored.split(SCORE_ROWS):
         logits, visible = _logits(q[rows], k, scale), first + rows + 1

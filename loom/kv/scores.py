@@ -31,11 +31,11 @@ def row_key(seed: int, sample: int, position: int) -> int:
 
 def gumbel_reference(row_keys: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
     """The noise of rows [r] over key positions [KVH, n] -> [r, KVH, n] (what the kernels add)."""
-    num_kv_heads = positions.shape[0]
-    grid = (torch.arange(1 << GUMBEL_BITS, dtype=torch.float64) + 0.5) / (1 << GUMBEL_BITS)
+    num_kv_heads, device = positions.shape[0], positions.device
+    grid = (torch.arange(1 << GUMBEL_BITS, dtype=torch.float64, device=device) + 0.5) / (1 << GUMBEL_BITS)
     table = (-torch.log(-torch.log(grid))).float()
-    keys = mix32(mix32(row_keys.long() & MASK32 ^ mix32(layer + 1))[:, None]
-                 ^ ((torch.arange(num_kv_heads) + 1) * 0x9E3779B9 & MASK32))  # [r, KVH]
+    keys = mix32(mix32(row_keys.long().to(device) & MASK32 ^ mix32(layer + 1))[:, None]
+                 ^ ((torch.arange(num_kv_heads, device=device) + 1) * 0x9E3779B9 & MASK32))  # [r, KVH]
     h = mix32(keys[:, :, None] ^ ((positions.long() & MASK32) * 0x85EBCA6B & MASK32)[None])
     return table[h >> (32 - GUMBEL_BITS)]
 
@@ -50,11 +50,11 @@ def reference_row_scores(logits: torch.Tensor, num_kv_heads: int, visible: torch
     num_heads, rows, ctx = logits.shape
     x = logits.float().view(num_kv_heads, num_heads // num_kv_heads, rows, ctx)
     if key_positions is None:
-        key_positions = torch.arange(ctx).expand(num_kv_heads, ctx)
+        key_positions = torch.arange(ctx, device=logits.device).expand(num_kv_heads, ctx)
     noise = gumbel_reference(row_keys, layer, key_positions).permute(1, 0, 2)  # [KVH, r, ctx]
     noise = noise * (row_keys >= 0)[None, :, None]
     y = (x + noise[:, None]) / temps.clamp(min=1e-30)[None, None, :, None]
-    y = y.masked_fill(torch.arange(ctx)[None, :] >= visible[:, None], float("-inf"))
+    y = y.masked_fill(torch.arange(ctx, device=logits.device)[None, :] >= visible[:, None], float("-inf"))
     p = torch.softmax(y, dim=-1) * (temps > 0)[None, None, :, None]
     return p.sum(dim=(1, 2))
 
@@ -99,7 +99,7 @@ class HeadScores:
 
     def add(self, step_scores: torch.Tensor) -> None:
         """Adds a step's scores [L, KVH, m] to the first m stored tokens."""
-        self._scores[:, :, :step_scores.shape[-1]] += step_scores
+        self._scores[:, :, :step_scores.shape[-1]] += step_scores.to(self._scores.device)
 
     def clone(self) -> HeadScores:
         other = HeadScores.__new__(HeadScores)
