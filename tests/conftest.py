@@ -78,6 +78,18 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['cont
 
 
 @pytest.fixture(scope="session")
+def gqa(hf_models):
+    """The grouped-query random Llama (8 heads, 2 KV heads) as (directory, transformers model)."""
+    return hf_models("llama_gqa")
+
+
+def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` random ids in [3, 256), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (length,), generator=g).tolist() for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
 def text_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("text_model")
     tok = Tokenizer(models.BPE())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_prompts as prompts
+
 from loom import LLM, SamplingParams
 from loom.config import CacheConfig
 from loom.kv.policy import NUM_SINKS, KVPolicy
@@ -64,16 +66,6 @@ def masked_greedy(model, prompt: list[int], max_tokens: int, policy: str, budget
             logits = model(torch.tensor([ids]), attention_mask=mask).logits
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt):]
-
-
-@pytest.fixture(scope="module")
-def gqa(hf_models):
-    return hf_models("llama_gqa")
-
-
-def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (length,), generator=g).tolist() for _ in range(count)]
 
 
 @pytest.mark.parametrize("policy", ["window", "streaming"])

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from conftest import random_prompts as prompts
+
 from loom import LLM, SamplingParams
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
@@ -227,16 +229,6 @@ def dense_policy_greedy(hf, prompt: list[int], max_tokens: int, name: str, budge
             logits = run([ids[-1]], len(ids) - 1)
             compress(len(ids) - 1)
     return ids[len(prompt):]
-
-
-@pytest.fixture(scope="module")
-def gqa(hf_models):
-    return hf_models("llama_gqa")
-
-
-def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (length,), generator=g).tolist() for _ in range(count)]
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer", "snapkv"])

@@ -182,6 +182,17 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
+// s[t] = exp(s[t] - m) over s[0:n], in place; returns their sum.
+inline float exp_in_place(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // ---- KV-policy scores -------------------------------------------------------------------------
 // Gumbel(0, 1) noise by inverse CDF on a grid: g = -log(-log(u)), u = (i + 0.5) / 2^kGumbelBits,
 // i the top bits of a hash. Two logs per key token and step would cost more than the attention.
@@ -229,14 +240,7 @@ inline void add_row_scores(const float* x, int64_t n, float temp, bool noise, ui
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) tmp[t] = x[t] * inv_temp;
   }
-  const float m = row_max(tmp, n);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    tmp[t] = std::exp(tmp[t] - m);
-    sum += tmp[t];
-  }
-  const float inv = 1.f / sum;
+  const float inv = 1.f / exp_in_place(tmp, n, row_max(tmp, n));
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) out[t] += tmp[t] * inv;
 }
@@ -308,12 +312,7 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
                          scored.key_positions ? scored.key_positions + at : nullptr, tmp.data(), scored.out + at);
         }
         const float m = row_max(s, ctx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
+        const float sum = exp_in_place(s, ctx, m);
         int64_t d0 = 0;
 #ifdef __AVX512F__
         if constexpr (fast) {
@@ -471,11 +470,7 @@ inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* 
     }
   } else {  // the keys up to its own
     top = row_max(s, own + 1);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t <= own; ++t) {
-      s[t] = std::exp(s[t] - top);
-      sum += s[t];
-    }
+    sum = exp_in_place(s, own + 1, top);
     std::fill(s + own + 1, s + visible, 0.f);
   }
   *inv_sum = 1.f / sum;

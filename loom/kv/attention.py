@@ -113,12 +113,13 @@ def prompt_row_scores(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillS
     out = torch.zeros(k.shape[0], seg.context_len, device=q.device)
     first = seg.context_len - seg.num_tokens  # stored index of the chunk's first token
     for rows in scored.split(SCORE_ROWS):
-        logits, visible = _logits(q[rows], k, scale), first + rows + 1
-        temps, keys = seg.scores.temps[rows], seg.scores.row_keys[rows]
+        visible = first + rows + 1
+        width = int(visible[-1])  # rows ascend: no row of this group sees a key past its last's
+        logits, temps, keys = _logits(q[rows], k[:, :width], scale), seg.scores.temps[rows], seg.scores.row_keys[rows]
         if backend == "cpp":
-            out += torch.ops.loom.attention_row_scores(logits, k.shape[0], visible, temps, keys, layer)
+            out[:, :width] += torch.ops.loom.attention_row_scores(logits, k.shape[0], visible, temps, keys, layer)
         else:
-            out += reference_row_scores(logits, k.shape[0], visible, temps, keys, layer)
+            out[:, :width] += reference_row_scores(logits, k.shape[0], visible, temps, keys, layer)
     return out
 
 
