@@ -86,33 +86,37 @@ def request_body(model: str, request: ServeRequest, stream: bool = True) -> dict
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, request: ServeRequest) -> RequestResult:
+    """One streamed request. While it streams, the client only splits events and notes when each
+    arrived; the JSON is read after the stream ends: on a machine the server shares, every
+    microsecond the client spends per chunk is taken from the server."""
     result = RequestResult(request.prompt_len)
-    start = last = time.perf_counter()
-    chunks = 0
+    start = time.perf_counter()
+    events: list[tuple[float, bytes]] = []  # (arrival, the event's JSON)
     try:
         async with session.post(url, json=request_body(model, request)) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
-            async for raw_line in response.content:
-                line = raw_line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last, chunks = now, chunks + 1
+            pending = b""
+            async for data in response.content.iter_any():
+                now = time.perf_counter()
+                *lines, pending = (pending + data).split(b"\n")
+                events += [(now, line[6:]) for line in lines if line.startswith(b"data: {")]
         result.e2e = time.perf_counter() - start
-        result.output_tokens = result.output_tokens or chunks
-        result.ok = chunks > 0
+        arrivals = []
+        for arrival, payload in events:
+            chunk = json.loads(payload)
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
+                arrivals.append(arrival)
+        if arrivals:
+            result.ttft = arrivals[0] - start
+            result.itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        result.output_tokens = result.output_tokens or len(arrivals)
+        result.ok = bool(arrivals)
         result.error = "" if result.ok else "no text streamed"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:  # ValueError: bad JSON, an overlong line
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:  # ValueError: bad JSON
         result.error = f"{type(error).__name__}: {error}"
     return result
 
@@ -182,14 +186,25 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (Loom's server runs on it too): about 15% less client CPU per
+    streamed chunk than asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def benchmark(base_url: str, model: str, workload: list[ServeRequest], concurrency: int | None = None,
               request_rate: float | None = None, seed: int = 0, api_key: str | None = None,
               duration: float | None = None, probe: Probe | None = None, probe_every: float = 10.0) -> dict:
     """Runs the workload against the server; the figures as a dict. With `duration`, only the
     requests arriving before it are sent; `probe` (resident memory, KV usage: whatever it reads)
     is sampled every `probe_every` seconds while the run lasts."""
-    results, elapsed, samples = asyncio.run(_run(base_url.rstrip("/"), model, workload, concurrency, request_rate,
-                                                 seed, api_key, duration, probe, probe_every))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        results, elapsed, samples = runner.run(_run(base_url.rstrip("/"), model, workload, concurrency, request_rate,
+                                                    seed, api_key, duration, probe, probe_every))
     return {"base_url": base_url, "model": model, "concurrency": concurrency, "request_rate": request_rate,
             **summarize(results, elapsed), **({"samples": samples} if probe else {})}
 
