@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from loom.kv.policy import check_kv_policy
+from loom.kv.policy import SCORED_POLICIES, check_kv_policy
 from loom.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,6 +96,44 @@ class SchedulerConfig:
 
 
 ATTENTION_BACKENDS = ("cpp", "torch")
+ATTENTION_SHARDINGS = ("heads", "batch")
+
+
+@dataclass
+class ParallelConfig:
+    """How one engine spans ranks of torch.distributed (started by torchrun): rank 0 schedules,
+    every rank runs the model on its shard (loom/parallel)."""
+    tensor_parallel_size: int = 1
+    kv_parallel_size: int = 1         # Helix: each sequence's KV split by position over these ranks
+    attention_sharding: str = "heads"  # or "batch": decode attention sharded by sequence
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "kv_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        if self.attention_sharding not in ATTENTION_SHARDINGS:
+            raise ValueError(f"attention_sharding: {self.attention_sharding!r}, choose from {ATTENTION_SHARDINGS}")
+        if self.kv_parallel_size > 1:
+            raise ValueError("kv_parallel_size: Helix KV parallelism is not available yet; use 1")
+        if self.attention_sharding != "heads":
+            raise ValueError("attention_sharding: only 'heads' is available yet")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.kv_parallel_size
+
+    def check_model(self, m: ModelConfig) -> None:
+        """Fails before any weight loads when the model cannot be split this way."""
+        tp = self.tensor_parallel_size
+        if m.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size: {tp} must divide the model's {m.num_heads} attention heads")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size: {tp} must divide the model's {m.num_kv_heads} KV heads or be a "
+                             "multiple of them (then each rank keeps the KV heads its query heads read)")
+        if m.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size: {tp} must divide the model's intermediate_size "
+                             f"{m.intermediate_size}")
 
 
 def default_enforce_eager() -> bool:
@@ -111,6 +149,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     pack_linear_weights: bool = True  # panel-layout weights for Loom's CPU kernels (loom/layers/linear.py)
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
@@ -132,6 +171,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)
+        self.parallel.check_model(self.model_config)
+        if self.parallel.world_size > 1 and self.cache.kv_policy in SCORED_POLICIES:
+            raise ValueError(f"kv_policy: {self.cache.kv_policy} needs every KV head's scores in one process; "
+                             "it does not run with tensor_parallel_size > 1 yet")
         if self.quantization is not None and self.model_config.quantization is not None:
             raise ValueError(f"quantization: {self.model} is already quantized "
                              f"({self.model_config.quantization['method']}); load it without quantization=")

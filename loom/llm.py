@@ -1,12 +1,13 @@
 """The offline API, in vLLM's conventions: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from loom.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, resolve_dtype
 from loom.engine.input_processor import Prompt
 from loom.engine.llm_engine import LLMEngine
 from loom.outputs import EngineStats, RequestOutput
@@ -33,7 +34,10 @@ class LLM:
                  num_threads: int | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, group_size: int = 32, enforce_eager: bool | None = None,
                  kv_policy: str = "full", kv_budget: int | float | None = None,
-                 kv_recent_ratio: float = 0.3) -> None:
+                 kv_recent_ratio: float = 0.3, tensor_parallel_size: int = 1, kv_parallel_size: int = 1,
+                 attention_sharding: str = "heads") -> None:
+        """Under torchrun with tensor_parallel_size > 1, only rank 0 returns: the other ranks run
+        the steps rank 0 sends them, then exit the process (status 0) when rank 0 finishes."""
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,
@@ -44,8 +48,16 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len or 0, preemption_mode=preemption_mode),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, kv_parallel_size=kv_parallel_size,
+                                    attention_sharding=attention_sharding),
         )
         self.engine = LLMEngine(config)
+        runner = self.engine.runner
+        if not runner.parallel.is_driver:
+            runner.follow()
+            raise SystemExit(0)
+        if runner.parallel.world_size > 1:
+            atexit.register(runner.stop_followers)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -14,6 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split over (start one process per rank with torchrun)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -52,7 +54,8 @@ def _build(args: argparse.Namespace):
     from loom.sampling_params import RequestOutputKind
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
-              max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile)
+              max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)

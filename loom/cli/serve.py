@@ -42,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                enforce_eager=True if args.enforce_eager else None, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
+                kv_recent_ratio=args.kv_recent_ratio, tensor_parallel_size=args.tensor_parallel_size)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -52,6 +59,8 @@ def _serve(args: argparse.Namespace) -> None:
     from loom.server.app import ServerConfig, build_app
     from loom.server.metrics import Metrics
 
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: a rank that only runs rank 0's steps
+        LLM(**_engine_options(args))  # never returns here: it runs rank 0's steps, then exits
     loaded: dict[str, object] = {}
     config = ServerConfig(model_name=args.served_model_name or Path(args.model).resolve().name,
                           api_key=args.api_key, max_queued_requests=args.max_num_queued_requests)
@@ -62,11 +71,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     def load() -> None:
         try:
-            llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                      quantization=args.quantization, enforce_eager=True if args.enforce_eager else None,
-                      kv_policy=args.kv_policy, kv_budget=args.kv_budget,
-                      kv_recent_ratio=args.kv_recent_ratio)
+            llm = LLM(**_engine_options(args))
             loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record)
             print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
         except BaseException as error:  # reported by the main thread once the server stops

@@ -64,10 +64,14 @@ class InputProcessor:
     def kv_policy(self, params: SamplingParams, num_prompt_tokens: int) -> KVPolicy | None:
         """The request's KV compression: its own fields, else the engine's."""
         cache = self.config.cache
-        return KVPolicy.resolve(params.kv_policy or cache.kv_policy,
-                                cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens,
-                                cache.kv_recent_ratio if params.kv_recent_ratio is None else params.kv_recent_ratio,
-                                params.max_tokens)
+        policy = KVPolicy.resolve(params.kv_policy or cache.kv_policy,
+                                  cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens,
+                                  cache.kv_recent_ratio if params.kv_recent_ratio is None else params.kv_recent_ratio,
+                                  params.max_tokens)
+        if policy is not None and policy.scored and self.config.parallel.world_size > 1:
+            raise ValueError(f"kv_policy: {policy.name} needs every KV head's scores in one process; it does not run "
+                             "with tensor_parallel_size > 1 yet")
+        return policy
 
     def request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """A validated request with its first sequence; a bad one raises ValueError."""

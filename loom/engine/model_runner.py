@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,9 @@ from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
+from loom.parallel.state import ParallelState, init_parallel
+from loom.parallel.step import broadcast_step
+from loom.parallel.tensor_parallel import local_kv_heads
 
 if TYPE_CHECKING:
     from loom.engine.scheduler import ScheduledBatch
@@ -49,15 +53,34 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return types.MethodType(types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__), model)
 
 
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step, built by rank 0 from the scheduled batch: the
+    cache's block operations, the packed tokens and their attention, and which rows get logits
+    (each sampled row, then each prompt-logprob chunk as (first row, rows))."""
+    moves: list[tuple[int, int]]
+    head_moves: torch.Tensor | None
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    prompt_logit_rows: list[tuple[int, int]]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, stop_checker: StopChecker) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        self.model = build_model(config)
+        self.parallel: ParallelState = init_parallel(config.parallel, self.device)  # before any weight loads
+        self.model = build_model(config, self.parallel)
         m = config.model_config
-        num_blocks, num_swap_blocks = kv_cache_blocks(config)
-        self.cache = KVCache(m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, config.cache.block_size,
+        num_kv_heads = local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tp_size, self.parallel.tp_rank)[1]
+        num_blocks, num_swap_blocks = self._agreed(*kv_cache_blocks(config, num_kv_heads))
+        self.cache = KVCache(m.num_layers, num_blocks, num_kv_heads, m.head_dim, config.cache.block_size,
                              config.dtype, self.device, move_kernel=config.attention_backend == "cpp")
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
@@ -82,13 +105,23 @@ class ModelRunner:
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._compile_decode_graphs()
 
+    def _agreed(self, *counts: int) -> tuple[int, ...]:
+        """The smallest of each count over the ranks (each rank sizes its pool from its own
+        memory; one scheduler hands out blocks for all of them)."""
+        if self.parallel.world_size == 1:
+            return counts
+        t = torch.tensor(counts)
+        torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MIN)
+        return tuple(t.tolist())
+
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
         """Compiles the decode graphs now, at load, so that no request waits for it: one step of
         batch 1 and one of batch 2 (which makes the graph for every larger batch), on block 0
         of a pool no sequence uses yet. Inductor caches the result on disk: later loads of the
         same model are quick."""
-        for batch in tqdm(DECODE_GRAPH_BATCHES, desc="Compiling decode steps", unit="graph"):
+        for batch in tqdm(DECODE_GRAPH_BATCHES, desc="Compiling decode steps", unit="graph",
+                          disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),
@@ -152,20 +185,70 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
-        """Runs one step: a result per scheduled sequence."""
+        """Runs one step (on rank 0, the driver): a result per scheduled sequence."""
+        inputs, sampled_seqs, prompt_seqs, scored_rows = self._prepare(batch)
+        if self.parallel.world_size > 1:
+            broadcast_step(inputs, self.parallel)
+        logits = self._run(inputs)
+        outputs = [SeqStepOutput() for _ in batch.seqs]
+        meta = inputs.meta
+        if meta.decode_scores is not None:
+            step_scores = torch.stack(meta.decode_scores.out)
+            for b in scored_rows:
+                outputs[b].kv_scores = step_scores[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
+        for i, seg in enumerate(meta.prefills, start=batch.num_decodes):
+            if seg.scores is not None:
+                outputs[i].kv_scores = seg.scores.out
+        if sampled_seqs:
+            rows = [self._sample_row(batch.seqs[i]) for i in sampled_seqs]
+            for i, result in zip(sampled_seqs, self.sampler(logits[0], rows)):
+                outputs[i].sample = result
+        for i, chunk_logits in zip(prompt_seqs, logits[1 if sampled_seqs else 0:]):
+            outputs[i].prompt_logprobs = self._prompt_logprobs(batch.seqs[i], chunk_logits)
+        return outputs
+
+    def follow(self) -> None:
+        """On a rank other than 0: runs every step rank 0 sends, until it sends the end."""
+        while (inputs := broadcast_step(None, self.parallel)) is not None:
+            with torch.inference_mode():
+                self._run(inputs)
+
+    def stop_followers(self) -> None:
+        """On rank 0: ends the other ranks' `follow`."""
+        if self.parallel.world_size > 1 and self.parallel.is_driver:
+            broadcast_step(None, self.parallel)
+
+    def _run(self, inputs: StepInputs) -> list[torch.Tensor]:
+        """The step's model work, the same on every rank: the cache's block operations, the
+        forward, and the logits of the sampled rows and of each prompt-logprob chunk."""
         # Order matters: moves concern blocks their sequences held when the moves were planned
         # (the swap-out copies what they leave); blocks freed by a swap-out may be refilled by a
         # swap-in or a copy.
-        self.cache.move(batch.moves, batch.head_moves)
-        if batch.swap_out:
-            self.swap_space.swap_out(batch.swap_out)
-        if batch.swap_in:
-            self.swap_space.swap_in(batch.swap_in)
-        self.cache.copy_blocks(batch.copies)
+        self.cache.move(inputs.moves, inputs.head_moves)
+        if inputs.swap_out:
+            self.swap_space.swap_out(inputs.swap_out)
+        if inputs.swap_in:
+            self.swap_space.swap_in(inputs.swap_in)
+        self.cache.copy_blocks(inputs.copies)
+        meta = inputs.meta
+        hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only=not meta.prefills)
+        logits = []
+        if inputs.sample_rows:
+            sampled = hidden  # decode-only steps sample every row: no gather
+            if len(inputs.sample_rows) < hidden.shape[0]:
+                sampled = hidden[torch.tensor(inputs.sample_rows, device=self.device)]
+            logits.append(self.model.compute_logits(sampled))
+        logits += [self.model.compute_logits(hidden[first:first + n]) for first, n in inputs.prompt_logit_rows]
+        return logits
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], list[int], list[int]]:
+        """The step's inputs, and (as batch indices) the sequences sampled, those whose prompt
+        logprobs this step computes, and the decode rows that score for their KV policy."""
         input_ids, positions, slots = [], [], []
         sample_rows: list[int] = []
-        sample_seqs: list[int] = []           # batch index of each sampled row
-        logit_rows: list[tuple[int, int]] = []  # (batch index, first row) of prompt-logprob chunks
+        sampled_seqs: list[int] = []
+        prompt_logit_rows: list[tuple[int, int]] = []
+        prompt_seqs: list[int] = []
         prefills: list[PrefillSegment] = []
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -184,14 +267,17 @@ class ModelRunner:
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,
                                                key_positions=key_positions, scores=prompt_scores))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                logit_rows.append((i, row))
+                # row p predicts prompt token p + 1: the rows whose next token is in the prompt
+                prompt_logit_rows.append((row, min(start + n, seq.num_prompt_tokens - 1) - start))
+                prompt_seqs.append(i)
             row += n
             if start + n == seq.num_tokens:
                 sample_rows.append(row - 1)
-                sample_seqs.append(i)
+                sampled_seqs.append(i)
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
+        scored_rows: list[int] = []
         if batch.num_decodes:
             decodes = batch.seqs[: batch.num_decodes]
             width = max(len(s.kv.block_ids) for s in decodes)
@@ -202,36 +288,15 @@ class ModelRunner:
             scored = self._decode_scores(decodes, width * self.cache.block_size)
             if scored is not None:
                 meta.decode_scores, scored_rows = scored
+        inputs = StepInputs(batch.moves, batch.head_moves, batch.swap_out, batch.swap_in, batch.copies,
+                            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows,
+                            prompt_logit_rows)
+        return inputs, sampled_seqs, prompt_seqs, scored_rows
 
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self._forward(ids, pos, meta, decode_only=not prefills)
-        outputs = [SeqStepOutput() for _ in batch.seqs]
-        if meta.decode_scores is not None:
-            step_scores = torch.stack(meta.decode_scores.out)
-            for b in scored_rows:
-                outputs[b].kv_scores = step_scores[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
-        for i, seg in enumerate(prefills, start=batch.num_decodes):
-            if seg.scores is not None:
-                outputs[i].kv_scores = seg.scores.out
-        if sample_rows:
-            sampled = hidden  # decode-only steps sample every row: no gather
-            if len(sample_rows) < hidden.shape[0]:
-                sampled = hidden[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(sampled)
-            rows = [self._sample_row(batch.seqs[i]) for i in sample_seqs]
-            for i, result in zip(sample_seqs, self.sampler(logits, rows)):
-                outputs[i].sample = result
-        for i, first_row in logit_rows:
-            outputs[i].prompt_logprobs = self._prompt_logprobs(batch.seqs[i], batch.num_new_tokens[i], hidden,
-                                                               first_row)
-        return outputs
-
-    def _prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor,
-                         first_row: int) -> list[tuple[int, dict[int, Logprob]]]:
-        """Row p predicts prompt token p + 1: score each prompt token this chunk can see."""
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, dict[int, Logprob]]]:
+        """Row p of the chunk predicts prompt token p + 1: the logprobs of each prompt token it sees."""
         start = seq.num_computed_tokens
-        last = min(start + n, seq.num_prompt_tokens - 1)  # rows whose next token is in the prompt
-        logprobs = self.model.compute_logits(hidden[first_row:first_row + last - start]).log_softmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1)
         return [(p + 1, top_logprobs(logprobs[p - start], seq.prompt_token_ids[p + 1], seq.params.prompt_logprobs))
-                for p in range(start, last)]
+                for p in range(start, start + logits.shape[0])]

@@ -13,6 +13,8 @@ from loom.kernels import load_kernels
 from loom.layers.linear import panel_kernels_available, use_panel_linears
 from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
+from loom.parallel.state import ParallelState
+from loom.parallel.tensor_parallel import shard_llama
 from loom.quant.checkpoint import load_quantized_checkpoint
 from loom.quant.model import quantize_model
 
@@ -41,15 +43,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
 
 
-def build_model(config: EngineConfig) -> LlamaForCausalLM:
+def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> LlamaForCausalLM:
     """The model as an engine runs it: weights loaded (or read quantized), quantized at load
-    time if asked, linear layers on Loom's panel kernels where they run, attention backend set."""
+    time if asked, cut to this rank's tensor-parallel shard, linear layers on Loom's panel
+    kernels where they run, attention backend set."""
     if config.attention_backend == "cpp":
         load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
     model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
     model.set_attention_backend(config.attention_backend)
     if config.quantization is not None:
-        quantize_model(model, config.quantization, config.group_size)
+        quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver)
+    if parallel is not None and parallel.tp_size > 1:
+        shard_llama(model, parallel)
     if config.pack_linear_weights and panel_kernels_available(torch.device(config.device)):
         use_panel_linears(model)
     return model

@@ -1,0 +1,10 @@
+"""Partitioned execution over torch.distributed: one engine on several ranks (started by
+torchrun, so the same code spans machines). Rank 0 schedules, samples and talks to users; it
+sends each step's inputs to every rank, and all ranks run the model in lock step on their
+shard of weights and KV.
+
+  state.py            the process group and this rank's place in it
+  tensor_parallel.py  Megatron 1D weight-stationary sharding of a loaded model (weight slicing
+                      plus all-reduce hooks; vocab-parallel embedding and LM head)
+  step.py             broadcasting a step's inputs from rank 0; the other ranks' step loop
+"""

@@ -1,0 +1,169 @@
+"""Megatron 1D weight-stationary tensor parallelism, applied to a loaded model: each rank keeps
+its slice of every weight, and a forward hook all-reduces what a row-parallel layer leaves as
+partial sums. The model's own code stays single-device.
+
+Per decoder layer, rank r of T keeps:
+  qkv_proj      its H/T query heads and the KV heads they read (a KV head is split when T divides
+                the KV heads, else replicated on the T/KVH ranks that read it: PaLM's baseline)
+  o_proj        the input columns of its query heads; the attention's output is all-reduced
+  gate_up_proj  its I/T rows of gate and of up
+  down_proj     the matching I/T input columns; the MLP's output is all-reduced
+Embedding and LM head are split by vocabulary (padded to a multiple of T): each rank looks up or
+scores its share; the lookup is all-reduced, the logits gathered on rank 0.
+
+Sharding runs after weight-only quantization (a quantized layer is cut in its portable form, so
+every rank keeps the codes and scales one process would have) and before the panel-layout swap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.nn import functional as F
+
+from loom.models.llama import LlamaForCausalLM
+from loom.quant.linear import WeightOnlyLinear
+from loom.parallel.state import ParallelState
+
+
+def local_kv_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first, count) of the KV heads rank `tp_rank`'s query heads read."""
+    if num_kv_heads % tp_size == 0:
+        count = num_kv_heads // tp_size
+        return tp_rank * count, count
+    heads_per_kv = num_heads // num_kv_heads
+    return tp_rank * (num_heads // tp_size) // heads_per_kv, 1
+
+
+def kv_replication(num_kv_heads: int, tp_size: int) -> int:
+    """How many ranks hold a copy of each KV head."""
+    return 1 if num_kv_heads % tp_size == 0 else tp_size // num_kv_heads
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return linear
+
+
+Layer = nn.Linear | WeightOnlyLinear
+
+
+def keep_rows(layer: Layer, rows: torch.Tensor) -> Layer:
+    """Column parallel: the output channels `rows` of a layer (with their bias and scales)."""
+    bias = None if layer.bias is None else layer.bias[rows]
+    if isinstance(layer, nn.Linear):
+        return _linear(layer.weight[rows], bias)
+    q, scales, zeros = layer.portable()
+    part = WeightOnlyLinear(layer.in_features, len(rows), layer.method, layer.group_size, bias, layer.crossover)
+    part.load_quantized(q[rows], scales[rows], None if zeros is None else zeros[rows])
+    return part
+
+
+def keep_columns(layer: Layer, columns: slice, name: str) -> Layer:
+    """Row parallel: the input features `columns` of a bias-free layer; its output is a partial sum."""
+    if isinstance(layer, nn.Linear):
+        return _linear(layer.weight[:, columns], None)
+    q, scales, zeros = layer.portable()
+    part = WeightOnlyLinear(columns.stop - columns.start, layer.out_features, layer.method, layer.group_size, None,
+                            layer.crossover)
+    if layer.method == "int8":  # a scale per output channel: unchanged by the cut
+        part.load_quantized(q[:, columns], scales)
+        return part
+    g = layer.group_size
+    if columns.start % g or columns.stop % g:
+        raise ValueError(f"tensor_parallel_size: {name}'s input splits at {columns.start}..{columns.stop}, which "
+                         f"int4 groups of {g} inputs would straddle; use a group size dividing each rank's share")
+    groups = slice(columns.start // g, columns.stop // g)
+    part.load_quantized(q[:, columns], scales[:, groups], zeros[:, groups])
+    return part
+
+
+def _all_reduce_output(group: dist.ProcessGroup):
+    def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(output, "sum", group)
+    return hook
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + n) of the embedding; ids outside them look up zeros, and the sum over
+    ranks is the full lookup."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.group = start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return funcol.all_reduce(torch.where(inside.unsqueeze(-1), rows, 0), "sum", self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head's rows for this rank's vocabulary share (an nn.Linear, so quantization and
+    the panel swap apply to it). Rank 0 gathers the full fp32 logits; the others, which never
+    sample, get an empty [tokens, 0]."""
+
+    def __init__(self, linear: nn.Linear, vocab_size: int, state: ParallelState) -> None:
+        super().__init__()
+        self.linear, self.vocab_size, self.state = linear, vocab_size, state
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.linear(hidden).float().contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.state.tp_size)] if self.state.is_driver else None
+        dist.gather(local, parts, dst=0, group=self.state.group)
+        if not self.state.is_driver:
+            return local[:, :0]
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+def _vocab_shard(weight: torch.Tensor, state: ParallelState) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [vocab, hidden] weight, zero-padded to vocab / T rounded up."""
+    per_rank = -(-weight.shape[0] // state.tp_size)
+    start = state.tp_rank * per_rank
+    shard = weight[start:start + per_rank]
+    return F.pad(shard, (0, 0, 0, per_rank - shard.shape[0])).contiguous(), start
+
+
+def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
+    """Cuts `model` (loaded whole; nn.Linear or weight-only quantized layers) down to rank
+    `state.tp_rank`'s shard, in place."""
+    cfg, tp, r = model.config, state.tp_size, state.tp_rank
+    hd, heads, ffn = cfg.head_dim, cfg.num_heads // tp, cfg.intermediate_size // tp
+    kv_first, kv_count = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp, r)
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q_rows = torch.arange(r * heads * hd, (r + 1) * heads * hd)
+            kv_rows = torch.arange(kv_first * hd, (kv_first + kv_count) * hd)
+            attn.qkv_proj = keep_rows(attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows,
+                                                                attn.q_size + attn.kv_size + kv_rows]))
+            attn.o_proj = keep_columns(attn.o_proj, slice(r * heads * hd, (r + 1) * heads * hd),
+                                       f"layers.{i}.self_attn.o_proj")
+            attn.num_heads, attn.num_kv_heads = heads, kv_count
+            attn.q_size, attn.kv_size = heads * hd, kv_count * hd
+            attn.register_forward_hook(_all_reduce_output(state.group))
+
+            ffn_rows = torch.arange(r * ffn, (r + 1) * ffn)
+            mlp.gate_up_proj = keep_rows(mlp.gate_up_proj, torch.cat([ffn_rows, cfg.intermediate_size + ffn_rows]))
+            mlp.down_proj = keep_columns(mlp.down_proj, slice(r * ffn, (r + 1) * ffn), f"layers.{i}.mlp.down_proj")
+            mlp.intermediate_size = ffn
+            mlp.register_forward_hook(_all_reduce_output(state.group))
+
+        embedding, start = _vocab_shard(model.embed_tokens.weight, state)
+        model.embed_tokens = VocabParallelEmbedding(embedding, start, state.group)
+        if isinstance(model.lm_head, nn.Linear):
+            head = model.embed_tokens.weight if cfg.tie_word_embeddings else _vocab_shard(model.lm_head.weight, state)[0]
+            head = _linear(head, None)
+            if cfg.tie_word_embeddings:
+                head.weight = model.embed_tokens.weight
+        else:  # quantized: this rank's vocabulary rows, padded with copies of the last (their logits are cut off)
+            per_rank = embedding.shape[0]
+            rows = torch.arange(start, start + per_rank).clamp(max=cfg.vocab_size - 1)
+            head = keep_rows(model.lm_head, rows)
+        model.lm_head = VocabParallelHead(head, cfg.vocab_size, state)

@@ -1,0 +1,33 @@
+"""Run by the tensor-parallel tests under torchrun (or alone): greedy generations of batches of
+prompts, one `generate` call per batch in turn, with the LLM options given; rank 0 writes the
+tokens and the engine's stats as JSON. Usage: python tests/tp_run.py OPTIONS_JSON BATCHES_JSON OUT_JSON"""
+import dataclasses
+import json
+import sys
+
+from loom import LLM, SamplingParams
+
+
+def generate(options: dict, batches: list[list[list[int]]], max_tokens: int) -> dict:
+    """Tokens per batch and prompt, with each token's margin (logprob of the best token minus
+    the second best's), and the engine's stats."""
+    llm = LLM(**options)  # under torchrun, only rank 0 returns
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    tokens, margins = [], []
+    for batch in batches:
+        outputs = [r.outputs[0] for r in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+        tokens.append([o.token_ids for o in outputs])
+        margins.append([[_margin(candidates) for candidates in o.logprobs] for o in outputs])
+    return {"tokens": tokens, "margins": margins, "stats": dataclasses.asdict(llm.stats())}
+
+
+def _margin(candidates: dict) -> float:
+    best = sorted((lp.logprob for lp in candidates.values()), reverse=True)
+    return best[0] - best[1]
+
+
+if __name__ == "__main__":
+    options, batches, out = json.loads(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3]
+    result = generate(options, batches, options.pop("max_tokens"))
+    with open(out, "w") as f:
+        json.dump(result, f)
