@@ -49,6 +49,9 @@ class EngineStats:
     prefix_cache_hits: int      # of those, found in the cache
     kv_slots_allocated: int     # token slots in blocks held by running sequences
     kv_slots_used: int          # of those, holding a computed token
+    # With several ranks: collectives issued so far, by kind (calls; bytes each rank put in)
+    collective_calls: dict[str, int] = field(default_factory=dict)
+    collective_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -41,11 +41,11 @@ def _batches() -> list[list[list[int]]]:
     return [[first], [first[:48] + tail for tail in random_prompts(6, 20, seed=2)]]
 
 
-def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]]) -> dict:
+def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_vars: str) -> dict:
     """Runs the helper under each torchrun launch at once (one launch per "machine"); rank 0's result."""
     batches, out = tmp_path / "batches.json", tmp_path / "out.json"
     batches.write_text(json.dumps(_batches()))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env_vars)
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, str(HELPER),
                                json.dumps({**options, "max_tokens": MAX_TOKENS}), str(batches), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -76,8 +76,14 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, **options) 
     single = generate({**common, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(), MAX_TOKENS)
     rank_heads = local_kv_heads(m.num_heads, m.num_kv_heads, 2, 0)[1]
     port = str(_free_port())
+    eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
     parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": 2, "kv_cache_memory": pool_bytes(rank_heads)},
-                         [["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]])
+                         [["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]],
+                         **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
+    if eager:  # the engine's tally is what rank 0 really issued
+        stats, counted = parallel["stats"], parallel["counted"]
+        assert stats["collective_calls"] == {kind: calls for kind, (calls, _) in counted.items()}
+        assert stats["collective_bytes"] == {kind: nbytes for kind, (_, nbytes) in counted.items()}
     if near_tie:
         _assert_same_until_near_tie(single, parallel, near_tie)
     else:
@@ -129,6 +135,55 @@ def test_two_machines_on_loopback(gqa, tmp_path):
     assert _torchrun(tmp_path, {**options, "tensor_parallel_size": 2}, launches)["tokens"] == single["tokens"]
 
 
+def test_a_rank_lost_mid_generation_stops_the_other(gqa, tmp_path):
+    """Two one-process "nodes" (so no torchrun agent stops the survivor for us); the second is
+    killed while generating: the first exits with an error saying so within 30 s."""
+    batches, ready = tmp_path / "batches.json", tmp_path / "ready"
+    batches.write_text(json.dumps(_batches() * 200))  # minutes of work
+    port, env = str(_free_port()), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                                       LOOM_TEST_READY_FILE=str(ready))
+    options = json.dumps(dict(model=str(gqa[0]), max_model_len=256, num_threads=1, tensor_parallel_size=2,
+                              max_tokens=MAX_TOKENS))
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+                               str(HELPER), options, str(batches), str(tmp_path / "out.json")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for rank in (0, 1)]
+    try:
+        for _ in range(600):
+            if ready.exists() or any(n.poll() is not None for n in nodes):
+                break
+            time.sleep(0.1)
+        assert ready.exists(), "the ranks did not start"
+        time.sleep(1)
+        for pid in _children(nodes[1].pid):  # rank 1 itself (torchrun starts it in a session of its own)
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        log = nodes[0].communicate(timeout=60)[0]
+        assert time.monotonic() - killed < 30
+        assert nodes[0].returncode != 0
+        assert "LockStepError: rank 0 of 2: a step failed" in log, log[-3000:]
+    finally:
+        for n in nodes:
+            for pid in _children(n.pid):
+                os.kill(pid, signal.SIGKILL)
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def test_kv_heads_split_or_replicated():
     # 8 query heads and 2 KV heads over 4 ranks: each KV head kept by the 2 ranks whose queries read it
     assert [local_kv_heads(8, 2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
@@ -177,7 +232,8 @@ def test_scored_kv_policies_are_refused_with_tensor_parallel(gqa):
 
 
 def test_serve_under_torchrun(gqa, tmp_path):
-    """`loom serve --tensor-parallel-size 2` on 2 ranks answers as one process generates."""
+    """`loom serve --tensor-parallel-size 2` on 2 ranks answers as one process generates, and
+    /metrics counts the collectives."""
     import httpx
 
     from loom import SamplingParams
@@ -204,6 +260,10 @@ def test_serve_under_torchrun(gqa, tmp_path):
                             json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                                   "return_token_ids": True}).json()
         assert answer["choices"][0]["token_ids"] == expected
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        calls = [line for line in metrics.splitlines() if line.startswith("loom:collective_calls_total{")
+                 and 'kind="all_reduce"' in line]
+        assert calls and float(calls[0].split()[-1]) > 0
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

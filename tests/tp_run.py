@@ -3,7 +3,9 @@ prompts, one `generate` call per batch in turn, with the LLM options given; rank
 tokens and the engine's stats as JSON. Usage: python tests/tp_run.py OPTIONS_JSON BATCHES_JSON OUT_JSON"""
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 
 from loom import LLM, SamplingParams
 
@@ -12,6 +14,8 @@ def generate(options: dict, batches: list[list[list[int]]], max_tokens: int) -> 
     """Tokens per batch and prompt, with each token's margin (logprob of the best token minus
     the second best's), and the engine's stats."""
     llm = LLM(**options)  # under torchrun, only rank 0 returns
+    if "LOOM_TEST_READY_FILE" in os.environ:  # tells a test that every rank has loaded
+        Path(os.environ["LOOM_TEST_READY_FILE"]).touch()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     tokens, margins = [], []
     for batch in batches:
@@ -26,8 +30,32 @@ def _margin(candidates: dict) -> float:
     return best[0] - best[1]
 
 
+def count_collectives() -> dict:
+    """Counts the collectives this process really issues (eager steps only: a compiled graph
+    calls them from C++), as {kind: [calls, bytes]}; the step's inputs' broadcast included."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0]}
+
+    def counted(kind, f):
+        def call(tensor, *args, **kwargs):
+            counts[kind][0] += 1
+            counts[kind][1] += tensor.numel() * tensor.element_size()
+            return f(tensor, *args, **kwargs)
+        return call
+
+    funcol.all_reduce = counted("all_reduce", funcol.all_reduce)
+    dist.gather = counted("gather", dist.gather)
+    dist.broadcast = counted("broadcast", dist.broadcast)
+    return counts
+
+
 if __name__ == "__main__":
     options, batches, out = json.loads(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3]
+    counts = count_collectives() if os.environ.get("LOOM_TEST_COUNT_COLLECTIVES") else None
     result = generate(options, batches, options.pop("max_tokens"))
+    if counts is not None:
+        result["counted"] = counts
     with open(out, "w") as f:
         json.dump(result, f)

@@ -60,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sizes(n, n=8, prompt_len=512, output_len=64)
     n.set_defaults(func=_parallel)
 
+    tp = sub.add_parser("tp", help="tensor parallel: 2 ranks x 1 thread vs 1 process x 2 threads, and bytes "
+                                   "communicated per step vs the planner")
+    common(tp)
+    tp.add_argument("--dtype", default="bfloat16")
+    tp.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    sizes(tp, prompt_len=128, max_tokens=64)
+    tp.set_defaults(func=_tp)
+
     lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
     common(lt)
     decode_run(lt, batches=[1, 8], max_tokens=128)
@@ -375,6 +383,43 @@ def _parallel(args: argparse.Namespace) -> None:
     bar_plot(path.with_suffix(".png"), f"n={args.n} samples of a {args.prompt_len}-token prompt",
              [f"Loom n={args.n} (forked)", f"Loom {args.n} requests"], [forked["seconds"], separate["seconds"]],
              "total seconds")
+    print(f"wrote {path}")
+
+
+def _tp(args: argparse.Namespace) -> None:
+    from loom.bench import tp
+    from loom.bench.report import bar_plot, write_report
+
+    model, _ = _setup(args)
+    if args.threads % 2:
+        raise ValueError(f"--threads: {args.threads} cores cannot be split over 2 ranks")
+    per_rank = args.threads // 2
+    configs = {f"1 process x {args.threads} threads": (1, args.threads),
+               f"2 ranks x {per_rank} thread{'s' if per_rank > 1 else ''}": (2, per_rank)}
+    results = {}
+    for label, (ranks, threads) in configs.items():
+        results[label] = tp.run(model, args.dtype, ranks, threads, args.batches, args.prompt_len, args.max_tokens)
+        for row in results[label]:
+            print(f"{label}, batch {row['batch']}: {row['ms_per_step']:.2f} ms/step, {row['tok_per_s']:.1f} tok/s, "
+                  f"bytes/step {row['bytes_per_step'] or '-'}", flush=True)
+    single, split = results.values()
+    comparison = []
+    for one, two in zip(single, split):
+        predicted = tp.planner_bytes(model, args.dtype, 2, two["batch"])
+        measured = two["bytes_per_step"]["all_reduce"]
+        comparison.append({"batch": two["batch"], "step_time_ratio": two["ms_per_step"] / one["ms_per_step"],
+                           "all_reduce_bytes": measured, "planner_all_reduce_bytes": predicted["all_reduce"],
+                           "bytes_error": measured / predicted["all_reduce"] - 1})
+        print(f"batch {two['batch']}: 2 ranks / 1 process step time {comparison[-1]['step_time_ratio']:.2f}x; "
+              f"all-reduce bytes/step {measured:.0f} vs planner {predicted['all_reduce']:.0f} "
+              f"({comparison[-1]['bytes_error']:+.1%})")
+    path = write_report("tensor_parallel", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
+                                            "max_tokens": args.max_tokens, "results": results,
+                                            "comparison": comparison}, args.out_dir)
+    labels = [f"{label}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
+    bar_plot(path.with_suffix(".png"), f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 "
+             "tensor-parallel ranks (gloo)", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
+             "ms per decode step")
     print(f"wrote {path}")
 
 

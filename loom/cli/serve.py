@@ -2,7 +2,8 @@
 
 The port opens at once and `/health` answers "starting" while the model loads and its decode
 steps compile; then "ok". SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish
-for up to --shutdown-timeout seconds, then aborts the rest.
+for up to --shutdown-timeout seconds, then aborts the rest. An engine that stops on an error
+(a rank of a parallel engine lost, say) stops the server, which exits with that error.
 """
 from __future__ import annotations
 
@@ -69,14 +70,18 @@ def _serve(args: argparse.Namespace) -> None:
                                            port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
                                            log_level="info"))
 
+    def stop(error: BaseException) -> None:
+        """Loading failed, or the engine stopped on an error: the server stops too, reporting it."""
+        loaded["error"] = error
+        server.should_exit = True
+
     def load() -> None:
         try:
             llm = LLM(**_engine_options(args))
-            loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record)
+            loaded["engine"] = AsyncLLMEngine(llm.engine, on_step=metrics.record, on_failure=stop)
             print(f"loom: serving {config.model_name} on http://{args.host}:{args.port}", flush=True)
         except BaseException as error:  # reported by the main thread once the server stops
-            loaded["error"] = error
-            server.should_exit = True
+            stop(error)
 
     threading.Thread(target=load, name="loom-load", daemon=True).start()
     try:

@@ -26,10 +26,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
-        """`on_step(engine)` runs on the step thread once at start and after every step (metrics)."""
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """`on_step(engine)` runs on the step thread once at start and after every step (metrics);
+        `on_failure(error)` once, if the step thread stops on an error rather than a shutdown."""
         self.engine = engine
         self._on_step = on_step
+        self._on_failure = on_failure
         self._lock = threading.Lock()  # guards _streams and _dead
         # request id -> (the loop its consumer runs on, its queue of outputs or one exception)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -103,6 +106,8 @@ class AsyncLLMEngine:
             self._dead = error
             streams = list(self._streams)
         self._deliver([(request_id, error) for request_id in streams])
+        if self._on_failure is not None and not isinstance(error, EngineDeadError):
+            self._on_failure(error)
 
     def _after_step(self) -> None:
         if self._on_step is not None:

@@ -7,6 +7,7 @@ while a step runs: they only queue, and the next step takes the queue in.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -88,6 +89,8 @@ class LLMEngine:
                 results = self.runner.execute(batch)
                 changed += self.scheduler.postprocess(batch, results)
             except Exception:
+                if self.runner.parallel.world_size > 1:
+                    raise  # a LockStepError: no later step can run on every rank
                 changed += self._fail(batch)
         outputs = self._outputs(changed)
         self.last_iteration = _iteration_stats(changed, time.monotonic())
@@ -97,7 +100,8 @@ class LLMEngine:
 
     def _fail(self, batch: ScheduledBatch) -> list[Request]:
         """A step raised (a kernel fault, a bug): its requests end with finish_reason "error"
-        and free their blocks; the others, and later steps, go on."""
+        and free their blocks; the others, and later steps, go on. (On several ranks a failed
+        step is fatal instead: `step` raises.)"""
         logger.exception("engine step failed; its requests end with finish_reason 'error'")
         failed = list({id(seq.request): seq.request for seq in batch.seqs}.values())
         for request in failed:
@@ -131,7 +135,9 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        collectives = self.runner.collectives
+        return dataclasses.replace(self.scheduler.stats(), collective_calls=dict(collectives.calls),
+                                   collective_bytes=dict(collectives.bytes))
 
 
 def _iteration_stats(requests: list[Request], now: float) -> IterationStats:

@@ -29,8 +29,8 @@ from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
 from loom.parallel.state import ParallelState, init_parallel
-from loom.parallel.step import broadcast_step
-from loom.parallel.tensor_parallel import local_kv_heads
+from loom.parallel.step import CollectiveStats, LockStepError, broadcast_step
+from loom.parallel.tensor_parallel import local_kv_heads, model_collectives
 
 if TYPE_CHECKING:
     from loom.engine.scheduler import ScheduledBatch
@@ -76,6 +76,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         self.parallel: ParallelState = init_parallel(config.parallel, self.device)  # before any weight loads
+        self._out_of_step = False  # a step failed here after the other ranks had begun it
+        self.collectives = CollectiveStats()  # what rank 0's steps communicated (several ranks)
+        self.dtype = config.dtype
         self.model = build_model(config, self.parallel)
         m = config.model_config
         num_kv_heads = local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tp_size, self.parallel.tp_rank)[1]
@@ -187,9 +190,15 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         """Runs one step (on rank 0, the driver): a result per scheduled sequence."""
         inputs, sampled_seqs, prompt_seqs, scored_rows = self._prepare(batch)
-        if self.parallel.world_size > 1:
-            broadcast_step(inputs, self.parallel)
-        logits = self._run(inputs)
+        try:
+            if self.parallel.world_size > 1:
+                self._count_collectives(inputs, broadcast_step(inputs, self.parallel)[1])
+            logits = self._run(inputs)
+        except Exception as error:
+            if self.parallel.world_size == 1:
+                raise
+            self._out_of_step = True  # the other ranks may wait in any collective of this step
+            raise LockStepError(self.parallel, error) from error
         outputs = [SeqStepOutput() for _ in batch.seqs]
         meta = inputs.meta
         if meta.decode_scores is not None:
@@ -208,15 +217,27 @@ class ModelRunner:
         return outputs
 
     def follow(self) -> None:
-        """On a rank other than 0: runs every step rank 0 sends, until it sends the end."""
-        while (inputs := broadcast_step(None, self.parallel)) is not None:
-            with torch.inference_mode():
-                self._run(inputs)
+        """On a rank other than 0: runs every step rank 0 sends, until it sends the end. A rank
+        gone (its connections closed) fails the collective waiting for it, and so this rank."""
+        try:
+            while (inputs := broadcast_step(None, self.parallel)[0]) is not None:
+                with torch.inference_mode():
+                    self._run(inputs)
+        except Exception as error:
+            raise LockStepError(self.parallel, error) from error
 
     def stop_followers(self) -> None:
-        """On rank 0: ends the other ranks' `follow`."""
-        if self.parallel.world_size > 1 and self.parallel.is_driver:
+        """On rank 0: ends the other ranks' `follow`. After a failed step they are not waiting for
+        the end: this process's exit closes its connections, which fails their collective."""
+        if self.parallel.world_size > 1 and self.parallel.is_driver and not self._out_of_step:
             broadcast_step(None, self.parallel)
+
+    def _count_collectives(self, inputs: StepInputs, broadcast_bytes: int) -> None:
+        self.collectives.add("broadcast", 2, 8 + broadcast_bytes)  # the size, then the pickled inputs
+        logit_rows = ([len(inputs.sample_rows)] if inputs.sample_rows else []) + [n for _, n in inputs.prompt_logit_rows]
+        for kind, calls, nbytes in model_collectives(self.model.config, self.dtype, self.parallel,
+                                                     inputs.input_ids.numel(), logit_rows):
+            self.collectives.add(kind, calls, nbytes)
 
     def _run(self, inputs: StepInputs) -> list[torch.Tensor]:
         """The step's model work, the same on every rank: the cache's block operations, the

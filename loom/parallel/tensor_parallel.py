@@ -22,6 +22,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
+from loom.models.config import ModelConfig
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
 from loom.parallel.state import ParallelState
@@ -167,3 +168,14 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
             rows = torch.arange(start, start + per_rank).clamp(max=cfg.vocab_size - 1)
             head = keep_rows(model.lm_head, rows)
         model.lm_head = VocabParallelHead(head, cfg.vocab_size, state)
+
+
+def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState, num_tokens: int,
+                      logit_rows: list[int]) -> list[tuple[str, int, int]]:
+    """(kind, calls, bytes each rank puts in) of one forward over `num_tokens` tokens whose
+    logits are computed in calls of `logit_rows` rows each: the embedding's all-reduce, one
+    after each attention and each FFN, and the LM head's gathers of fp32 logits."""
+    activations = num_tokens * cfg.hidden_size * dtype.itemsize
+    vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
+    return [("all_reduce", 2 * cfg.num_layers + 1, (2 * cfg.num_layers + 1) * activations),
+            ("gather", len(logit_rows), sum(logit_rows) * vocab_per_rank * 4)]

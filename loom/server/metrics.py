@@ -48,6 +48,14 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
         self._seen = (0, 0, 0)  # the engine's cumulative prefix queries, hits and preemptions so far
+        # With several ranks (Loom's own): collectives rank 0 issued, by kind (all_reduce, gather, broadcast)
+        self.collective_calls = Counter("loom:collective_calls", "Collectives issued, by kind.", labels + ["kind"],
+                                        registry=r)
+        self.collective_bytes = Counter("loom:collective_bytes", "Bytes each rank put into collectives, by kind.",
+                                        labels + ["kind"], registry=r)
+        self._model_name = model_name
+        self._seen_calls: dict[str, int] = {}  # the engine's cumulative collective calls and bytes so far
+        self._seen_bytes: dict[str, int] = {}
 
     def record(self, engine: LLMEngine) -> None:
         """After a step, on the step thread: the engine's state and what the step did."""
@@ -61,6 +69,11 @@ class Metrics:
         self._seen = totals
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
+        for counter, totals, seen in ((self.collective_calls, stats.collective_calls, self._seen_calls),
+                                      (self.collective_bytes, stats.collective_bytes, self._seen_bytes)):
+            for kind, total in totals.items():
+                counter.labels(self._model_name, kind).inc(total - seen.get(kind, 0))
+                seen[kind] = total
         for value in it.time_to_first_token:
             self.ttft.observe(value)
         for value in it.inter_token_latency:

@@ -1,0 +1,110 @@
+"""Tensor parallel on this machine: 2 ranks x 1 thread (gloo, one torchrun launch) against 1
+process x 2 threads, decode at each batch size, with the bytes the ranks communicate per step
+beside the planner's prediction for the same layout.
+
+Each configuration runs in processes of its own (`python -m loom.bench.tp ...`, under torchrun
+for 2 ranks); rank 0 writes its figures as JSON. Decode is timed from the step after every
+prompt has its first token to the end, compiled graphs warmed up first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loom.planner.collectives import Collective
+
+
+def _decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+    """Decode figures of `batch` requests of `prompt_len` random tokens, `max_tokens` each."""
+    import random
+
+    from loom import SamplingParams
+
+    engine, rng = llm.engine, random.Random(batch)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    pending = {engine.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]}, params)
+               for _ in range(batch)}
+    while pending:  # prefill, until every request has its first token
+        pending -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+    before, steps = llm.stats(), 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    per_step = {kind: (after.collective_bytes[kind] - before.collective_bytes.get(kind, 0)) / steps
+                for kind in after.collective_bytes}
+    calls = {kind: (after.collective_calls[kind] - before.collective_calls.get(kind, 0)) / steps
+             for kind in after.collective_calls}
+    return {"batch": batch, "steps": steps, "ms_per_step": 1000 * seconds / steps,
+            "tok_per_s": batch * steps / seconds, "bytes_per_step": per_step, "calls_per_step": calls}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One configuration, in this process (and, under torchrun, its sibling ranks)."""
+    from loom import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, tensor_parallel_size=args.tp,
+              max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.max_tokens + 16)
+    vocab = llm.engine.config.model_config.vocab_size
+    llm.generate([{"prompt_token_ids": [5] * 16}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    rows = [_decode(llm, b, args.prompt_len, args.max_tokens, vocab) for b in args.batches]
+    Path(args.out).write_text(json.dumps(rows))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prompt_len: int,
+        max_tokens: int) -> list[dict]:
+    """The decode rows of one configuration, each rank on `threads` threads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        args = ["--model", str(model), "--dtype", dtype, "--tp", str(tp), "--threads", str(threads), "--batches",
+                *map(str, batches), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--out", str(out)]
+        launcher = [sys.executable]
+        if tp > 1:
+            launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+                         "--master-port", str(_free_port())]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        subprocess.run([*launcher, "-m", "loom.bench.tp", *args], check=True, env=env)
+        return json.loads(out.read_text())
+
+
+def planner_bytes(model: Path, dtype: str, tp: int, batch: int) -> dict[str, float]:
+    """The planner's activation collectives of a 1D tensor-parallel decode step, per rank: an
+    all-gather and a reduce-scatter per projection pair, which an all-reduce of the same bytes
+    is (Loom issues the all-reduce)."""
+    from loom.planner.layouts import Layout, layer_collectives
+    from loom.planner.presets import from_hf_config
+    from loom.planner.workload import dtype_bytes
+
+    shape = from_hf_config(model)
+    act = dtype_bytes("bf16" if dtype == "bfloat16" else "fp32")
+    per_layer: list[Collective] = layer_collectives(Layout("1d", tp), shape, batch, 1, 0.0, act)
+    reduce_scatter = sum(c.nbytes for c in per_layer if c.kind == "reduce-scatter")
+    return {"all_reduce": shape.n_layers * reduce_scatter}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--batches", type=int, nargs="+", required=True)
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--out", required=True)
+    worker(p.parse_args())
