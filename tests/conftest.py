@@ -26,6 +26,9 @@ MODEL_SPECS = {
                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    # GPT-NeoX: rotary on a quarter of each head, attention and FFN in parallel or in series
+    "gpt_neox_parallel": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True)),
+    "gpt_neox_serial": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=False)),
 }
 
 

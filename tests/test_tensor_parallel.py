@@ -110,6 +110,17 @@ def test_two_ranks_generate_as_one_process(hf_models, tmp_path, name):
     _compare(tmp_path, hf_models(name)[0])
 
 
+@pytest.mark.parametrize("name,per_layer", [("gpt_neox_parallel", 1), ("gpt_neox_serial", 2)])
+def test_two_ranks_gpt_neox(hf_models, tmp_path, name, per_layer):
+    """GPT-NeoX on 2 ranks as in one process; its parallel block all-reduces once per layer
+    (the attention's and FFN's partial sums together), the serial one twice (plus the
+    embedding's, once per step: a step is two broadcasts and one forward)."""
+    model_dir = hf_models(name)[0]
+    calls = _compare(tmp_path, model_dir)["stats"]["collective_calls"]
+    layers = ModelConfig.from_dir(model_dir).num_layers
+    assert calls["all_reduce"] == (per_layer * layers + 1) * calls["broadcast"] // 2
+
+
 def test_two_ranks_int8(tmp_path):
     """int8 layers quantize activations in groups of 64 inputs. With each rank's share of o_proj's
     and down_proj's inputs a multiple of 64 (8 heads of 16 over 2 ranks; 256 / 2) the ranks round

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half form, as Hugging Face Llama), with llama3 scaling."""
+"""Rotary position embedding (rotate-half form, as Hugging Face Llama), with llama3 scaling, on
+all of each head's dims or (GPT-NeoX) on the first `rotary_dim` of them."""
 from __future__ import annotations
 
 import math
@@ -27,9 +28,10 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to packed q/k of shape [tokens, heads, head_dim] at given positions."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", rotary_dim: int = 0) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim if 0 < rotary_dim < head_dim else 0  # 0: every dim
+        inv_freq = rope_inv_freq(self.rotary_dim or head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq).to(device)
         # [max_positions, head_dim // 2] each; plain attributes (not buffers) so that casting the
         # model to bf16 leaves them in fp32.
@@ -38,7 +40,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if not self.rotary_dim:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        d = self.rotary_dim
+        return tuple(torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1) for x in (q, k))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "GPTNeoXForCausalLM": True,
 }
+GPT_NEOX = "GPTNeoXForCausalLM"
 
 
 def config_path(model: str | Path) -> Path:
@@ -60,6 +62,11 @@ class ModelConfig:
     quantization: dict[str, Any] | None = None  # Loom's weight-only checkpoint format, if quantized
     # generation_config.json's eos_token_id: where the model's generation ends besides config.json's
     generation_eos_token_ids: tuple[int, ...] = ()
+    # GPT-NeoX: RoPE on the first rotary_dim dims of each head only (0: all of them), LayerNorm
+    # with bias, GELU, and attention and FFN side by side on the same input when parallel_residual
+    rotary_dim: int = 0
+    layer_norm_eps: float = 1e-5
+    parallel_residual: bool = False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -90,8 +97,10 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: field 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
+        act = raw.get("hidden_act", "gelu" if arch == GPT_NEOX else "silu")
+        if act != ("gelu" if arch == GPT_NEOX else "silu"):
+            raise ValueError(f"{source}: field 'hidden_act' is {act!r}; {arch} is supported with "
+                             f"{'gelu' if arch == GPT_NEOX else 'silu'} only")
         max_positions = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
         if arch == "MistralForCausalLM" and window and raw.get("use_sliding_window", True):
@@ -102,7 +111,9 @@ class ModelConfig:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("llama3", "default"):
             raise ValueError(f"{source}: rope type {kind!r} is not supported (default or llama3)")
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", raw.get("rotary_emb_base", 10000.0)))
+        # GPT-NeoX: transformers 4 writes rotary_pct, transformers 5 rope_parameters' partial_rotary_factor
+        rotary_fraction = float(rope.get("partial_rotary_factor", raw.get("rotary_pct", 1.0)))
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -121,6 +132,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_ids(raw.get("eos_token_id")),
             quantization=_quantization(raw.get("quantization_config"), source),
+            rotary_dim=int(head_dim * rotary_fraction),
+            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
+            parallel_residual=arch == GPT_NEOX and bool(raw.get("use_parallel_residual", True)),
         )
 
 

@@ -7,16 +7,22 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from loom.config import EngineConfig
 from loom.kernels import load_kernels
 from loom.layers.linear import panel_kernels_available, use_panel_linears
-from loom.models.config import ModelConfig
+from loom.models.config import GPT_NEOX, ModelConfig
+from loom.models.gpt_neox import GPTNeoXForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.parallel.state import ParallelState
-from loom.parallel.tensor_parallel import shard_llama
+from loom.parallel.tensor_parallel import shard_model
 from loom.quant.checkpoint import load_quantized_checkpoint
 from loom.quant.model import quantize_model
+
+# Architectures with a class of their own; the rest (Llama, Mistral, Qwen2) are LlamaForCausalLM.
+_MODELS: dict[str, type[nn.Module]] = {GPT_NEOX: GPTNeoXForCausalLM}
+CausalLM = LlamaForCausalLM | GPTNeoXForCausalLM
 
 # HF tensors that carry no weights Loom needs (RoPE caches some checkpoints still ship).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,7 +49,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
 
 
-def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> LlamaForCausalLM:
+def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> CausalLM:
     """The model as an engine runs it: weights loaded (or read quantized), quantized at load
     time if asked, cut to this rank's tensor-parallel shard, linear layers on Loom's panel
     kernels where they run, attention backend set."""
@@ -54,14 +60,14 @@ def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> 
     if config.quantization is not None:
         quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver)
     if parallel is not None and parallel.tp_size > 1:
-        shard_llama(model, parallel)
+        shard_model(model, parallel)
     if config.pack_linear_weights and panel_kernels_available(torch.device(config.device)):
         use_panel_linears(model)
     return model
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               max_positions: int | None = None, cfg: ModelConfig | None = None) -> LlamaForCausalLM:
+               max_positions: int | None = None, cfg: ModelConfig | None = None) -> CausalLM:
     """The checkpoint's model with plain nn.Linear layers (or, for a quantized checkpoint,
     its weight-only layers). `cfg`: the directory's config, if already read."""
     model_dir = Path(model_dir)
@@ -69,10 +75,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise FileNotFoundError(f"{model_dir}: model directory not found")
     cfg = cfg or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):  # no time spent on random init: every weight comes from the checkpoint
-        model = LlamaForCausalLM(cfg, max_positions or cfg.max_position_embeddings, device)
+        model = _MODELS.get(cfg.architecture, LlamaForCausalLM)(cfg, max_positions or cfg.max_position_embeddings,
+                                                                 device)
     model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()  # to_empty re-creates parameters, so tie again
     if cfg.quantization is not None:
         load_quantized_checkpoint(model, model_dir, safetensors_files(model_dir))
         model.to(dtype=dtype)
@@ -92,15 +98,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     return model.eval()
 
 
-def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
+def _num_shards(model: CausalLM, param_name: str) -> int:
     packed = {p for p, _ in model.packed_params.values()}
     return next((len(model.shard_sizes(p)) for p in packed if f".{p}." in param_name), 1)
 
 
-def _load_tensor(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], filled: dict[str, set[int]],
+def _load_tensor(model: CausalLM, params: dict[str, torch.nn.Parameter], filled: dict[str, set[int]],
                  name: str, tensor: torch.Tensor, path: Path) -> None:
-    target = name.removeprefix("model.")
-    if target == "lm_head.weight" and model.config.tie_word_embeddings:
+    target = name.removeprefix(model.checkpoint_prefix)
+    if target == f"{model.head_name}.weight" and model.config.tie_word_embeddings:
         return  # tied: the embedding is the head
     for fragment, (packed, shard) in model.packed_params.items():
         if f".{fragment}." in target:

@@ -1,15 +1,18 @@
 """Megatron 1D weight-stationary tensor parallelism, applied to a loaded model: each rank keeps
-its slice of every weight, and a forward hook all-reduces what a row-parallel layer leaves as
-partial sums. The model's own code stays single-device.
+its slice of every weight, and a forward hook all-reduces what row-parallel layers leave as
+partial sums. The models' own code stays single-device.
 
-Per decoder layer, rank r of T keeps:
+Per Llama decoder layer, rank r of T keeps:
   qkv_proj      its H/T query heads and the KV heads they read (a KV head is split when T divides
                 the KV heads, else replicated on the T/KVH ranks that read it: PaLM's baseline)
   o_proj        the input columns of its query heads; the attention's output is all-reduced
   gate_up_proj  its I/T rows of gate and of up
   down_proj     the matching I/T input columns; the MLP's output is all-reduced
-Embedding and LM head are split by vocabulary (padded to a multiple of T): each rank looks up or
-scores its share; the lookup is all-reduced, the logits gathered on rank 0.
+GPT-NeoX is cut the same way; its parallel block (attention and FFN on the same input)
+all-reduces once per layer, the sum of both partial outputs, as the PaLM paper describes.
+Row-parallel biases stay on rank 0 only. Embedding and LM head are split by vocabulary (padded
+to a multiple of T): each rank looks up or scores its share; the lookup is all-reduced, the
+logits gathered on rank 0.
 
 Sharding runs after weight-only quantization (a quantized layer is cut in its portable form, so
 every rank keeps the codes and scales one process would have) and before the panel-layout swap.
@@ -23,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loom.models.config import ModelConfig
+from loom.models.gpt_neox import GPTNeoXForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
 from loom.parallel.state import ParallelState
@@ -64,12 +68,14 @@ def keep_rows(layer: Layer, rows: torch.Tensor) -> Layer:
     return part
 
 
-def keep_columns(layer: Layer, columns: slice, name: str) -> Layer:
-    """Row parallel: the input features `columns` of a bias-free layer; its output is a partial sum."""
+def keep_columns(layer: Layer, columns: slice, name: str, state: ParallelState) -> Layer:
+    """Row parallel: the input features `columns` of a layer; its output is a partial sum, so
+    rank 0 alone keeps the bias (the sum over ranks adds it once)."""
+    bias = layer.bias if state.is_driver else None
     if isinstance(layer, nn.Linear):
-        return _linear(layer.weight[:, columns], None)
+        return _linear(layer.weight[:, columns], bias)
     q, scales, zeros = layer.portable()
-    part = WeightOnlyLinear(columns.stop - columns.start, layer.out_features, layer.method, layer.group_size, None,
+    part = WeightOnlyLinear(columns.stop - columns.start, layer.out_features, layer.method, layer.group_size, bias,
                             layer.crossover)
     if layer.method == "int8":  # a scale per output channel: unchanged by the cut
         part.load_quantized(q[:, columns], scales)
@@ -132,8 +138,7 @@ def _vocab_shard(weight: torch.Tensor, state: ParallelState) -> tuple[torch.Tens
 
 
 def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
-    """Cuts `model` (loaded whole; nn.Linear or weight-only quantized layers) down to rank
-    `state.tp_rank`'s shard, in place."""
+    """The Llama family's shard, in place: each attention and each FFN all-reduces its output."""
     cfg, tp, r = model.config, state.tp_size, state.tp_rank
     hd, heads, ffn = cfg.head_dim, cfg.num_heads // tp, cfg.intermediate_size // tp
     kv_first, kv_count = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp, r)
@@ -145,37 +150,74 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
             attn.qkv_proj = keep_rows(attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows,
                                                                 attn.q_size + attn.kv_size + kv_rows]))
             attn.o_proj = keep_columns(attn.o_proj, slice(r * heads * hd, (r + 1) * heads * hd),
-                                       f"layers.{i}.self_attn.o_proj")
+                                       f"layers.{i}.self_attn.o_proj", state)
             attn.num_heads, attn.num_kv_heads = heads, kv_count
             attn.q_size, attn.kv_size = heads * hd, kv_count * hd
             attn.register_forward_hook(_all_reduce_output(state.group))
 
             ffn_rows = torch.arange(r * ffn, (r + 1) * ffn)
             mlp.gate_up_proj = keep_rows(mlp.gate_up_proj, torch.cat([ffn_rows, cfg.intermediate_size + ffn_rows]))
-            mlp.down_proj = keep_columns(mlp.down_proj, slice(r * ffn, (r + 1) * ffn), f"layers.{i}.mlp.down_proj")
+            mlp.down_proj = keep_columns(mlp.down_proj, slice(r * ffn, (r + 1) * ffn), f"layers.{i}.mlp.down_proj",
+                                         state)
             mlp.intermediate_size = ffn
             mlp.register_forward_hook(_all_reduce_output(state.group))
 
-        embedding, start = _vocab_shard(model.embed_tokens.weight, state)
-        model.embed_tokens = VocabParallelEmbedding(embedding, start, state.group)
-        if isinstance(model.lm_head, nn.Linear):
-            head = model.embed_tokens.weight if cfg.tie_word_embeddings else _vocab_shard(model.lm_head.weight, state)[0]
-            head = _linear(head, None)
-            if cfg.tie_word_embeddings:
-                head.weight = model.embed_tokens.weight
-        else:  # quantized: this rank's vocabulary rows, padded with copies of the last (their logits are cut off)
-            per_rank = embedding.shape[0]
-            rows = torch.arange(start, start + per_rank).clamp(max=cfg.vocab_size - 1)
-            head = keep_rows(model.lm_head, rows)
-        model.lm_head = VocabParallelHead(head, cfg.vocab_size, state)
+        model.embed_tokens, model.lm_head = _vocab_parallel(model.embed_tokens, model.lm_head, cfg, state)
+
+
+def _vocab_parallel(embedding: nn.Embedding, head: Layer, cfg: ModelConfig,
+                    state: ParallelState) -> tuple[VocabParallelEmbedding, VocabParallelHead]:
+    """The embedding and LM head cut to this rank's share of the vocabulary (tied stays tied)."""
+    weight, start = _vocab_shard(embedding.weight, state)
+    embedding = VocabParallelEmbedding(weight, start, state.group)
+    if isinstance(head, nn.Linear):
+        part = _linear(embedding.weight if cfg.tie_word_embeddings else _vocab_shard(head.weight, state)[0], None)
+        if cfg.tie_word_embeddings:
+            part.weight = embedding.weight
+    else:  # quantized: this rank's vocabulary rows, padded with copies of the last (their logits are cut off)
+        part = keep_rows(head, torch.arange(start, start + weight.shape[0]).clamp(max=cfg.vocab_size - 1))
+    return embedding, VocabParallelHead(part, cfg.vocab_size, state)
+
+
+def shard_gpt_neox(model: GPTNeoXForCausalLM, state: ParallelState) -> None:
+    """GPT-NeoX's shard, in place: the fused query_key_value holds each head's [q; k; v] rows
+    together, so a rank's heads are one run of rows. A parallel block all-reduces once, the sum
+    of its attention's and FFN's partial outputs; a serial block after each."""
+    cfg, tp, r = model.config, state.tp_size, state.tp_rank
+    hd, heads, ffn = cfg.head_dim, cfg.num_heads // tp, cfg.intermediate_size // tp
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.attention, layer.mlp
+            attn.query_key_value = keep_rows(attn.query_key_value, torch.arange(r * heads * 3 * hd,
+                                                                                (r + 1) * heads * 3 * hd))
+            attn.dense = keep_columns(attn.dense, slice(r * heads * hd, (r + 1) * heads * hd),
+                                      f"layers.{i}.attention.dense", state)
+            attn.num_heads = heads
+            mlp.dense_h_to_4h = keep_rows(mlp.dense_h_to_4h, torch.arange(r * ffn, (r + 1) * ffn))
+            mlp.dense_4h_to_h = keep_columns(mlp.dense_4h_to_h, slice(r * ffn, (r + 1) * ffn),
+                                             f"layers.{i}.mlp.dense_4h_to_h", state)
+            for partial_sum in (layer.attention_sum, layer.block_sum):
+                partial_sum.register_forward_hook(_all_reduce_output(state.group))
+        model.embed_in, model.embed_out = _vocab_parallel(model.embed_in, model.embed_out, cfg, state)
+
+
+def shard_model(model: LlamaForCausalLM | GPTNeoXForCausalLM, state: ParallelState) -> None:
+    """Cuts `model` (loaded whole; nn.Linear or weight-only quantized layers) down to rank
+    `state.tp_rank`'s shard, in place."""
+    if isinstance(model, GPTNeoXForCausalLM):
+        shard_gpt_neox(model, state)
+    else:
+        shard_llama(model, state)
 
 
 def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState, num_tokens: int,
                       logit_rows: list[int]) -> list[tuple[str, int, int]]:
     """(kind, calls, bytes each rank puts in) of one forward over `num_tokens` tokens whose
     logits are computed in calls of `logit_rows` rows each: the embedding's all-reduce, one
-    after each attention and each FFN, and the LM head's gathers of fp32 logits."""
+    after each attention and each FFN (one per layer for a parallel block), and the LM head's
+    gathers of fp32 logits."""
     activations = num_tokens * cfg.hidden_size * dtype.itemsize
     vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
-    return [("all_reduce", 2 * cfg.num_layers + 1, (2 * cfg.num_layers + 1) * activations),
+    all_reduces = (1 if cfg.parallel_residual else 2) * cfg.num_layers + 1
+    return [("all_reduce", all_reduces, all_reduces * activations),
             ("gather", len(logit_rows), sum(logit_rows) * vocab_per_rank * 4)]
