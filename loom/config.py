@@ -97,6 +97,7 @@ class SchedulerConfig:
 
 ATTENTION_BACKENDS = ("cpp", "torch")
 ATTENTION_SHARDINGS = ("heads", "batch")
+ALL_REDUCES = ("auto", "shared_memory", "process_group")
 
 
 @dataclass
@@ -106,12 +107,17 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     kv_parallel_size: int = 1         # Helix: each sequence's KV split by position over these ranks
     attention_sharding: str = "heads"  # or "batch": decode attention sharded by sequence
+    # How activations are all-reduced: "shared_memory" (every rank on one host, CPU), "process_group"
+    # (gloo / NCCL), or "auto": shared memory where it can, else the process group
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "kv_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce: {self.all_reduce!r}, choose from {ALL_REDUCES}")
         if self.attention_sharding not in ATTENTION_SHARDINGS:
             raise ValueError(f"attention_sharding: {self.attention_sharding!r}, choose from {ATTENTION_SHARDINGS}")
         if self.kv_parallel_size > 1:

@@ -132,6 +132,34 @@ def test_two_ranks_int8(tmp_path):
     _compare(tmp_path, model_dir, near_tie=0.05, quantization="int8")
 
 
+def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):
+    """The other transport (the process group's all-reduce; ranks on one host default to shared memory)."""
+    _compare(tmp_path, gqa[0], all_reduce="process_group")
+
+
+SHM_CHECK = """
+import torch, torch.distributed as dist
+from loom.config import ParallelConfig
+from loom.parallel.state import SHM_SLOT_BYTES, init_parallel
+state = init_parallel(ParallelConfig(tensor_parallel_size=2, all_reduce="shared_memory"), torch.device("cpu"))
+for dtype in (torch.float32, torch.bfloat16):
+    for numel in (1, 4097, 3 * SHM_SLOT_BYTES // 4 + 5):  # the last in 4 pieces (fp32) or 2 (bf16)
+        mine = (torch.arange(numel) % 97 * (state.rank + 1)).to(dtype)
+        total = torch.ops.loom.shm_all_reduce(mine, state.shm_group)
+        assert torch.equal(total, (torch.arange(numel) % 97 * 3).to(dtype)), (dtype, numel)
+print("sums ok")
+"""
+
+
+def test_shared_memory_all_reduce_sums_in_pieces(tmp_path):
+    script = tmp_path / "shm_check.py"
+    script.write_text(SHM_CHECK)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.count("sums ok") == 2, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def test_two_ranks_compiled_decode(gqa, tmp_path):
     _compare(tmp_path, gqa[0], enforce_eager=False)
 

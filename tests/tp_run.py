@@ -32,9 +32,11 @@ def _margin(candidates: dict) -> float:
 
 def count_collectives() -> dict:
     """Counts the collectives this process really issues (eager steps only: a compiled graph
-    calls them from C++), as {kind: [calls, bytes]}; the step's inputs' broadcast included."""
+    calls them from C++), as {kind: [calls, bytes]}; the step's inputs' broadcast included.
+    (The shared-memory group's set-up, before any step, uses none of these.)"""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
+
+    from loom.parallel import tensor_parallel
 
     counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0]}
 
@@ -45,7 +47,7 @@ def count_collectives() -> dict:
             return f(tensor, *args, **kwargs)
         return call
 
-    funcol.all_reduce = counted("all_reduce", funcol.all_reduce)
+    tensor_parallel.all_reduce = counted("all_reduce", tensor_parallel.all_reduce)  # shared memory or gloo
     dist.gather = counted("gather", dist.gather)
     dist.broadcast = counted("broadcast", dist.broadcast)
     return counts

@@ -1,6 +1,7 @@
-"""Tensor parallel on this machine: 2 ranks x 1 thread (gloo, one torchrun launch) against 1
-process x 2 threads, decode at each batch size, with the bytes the ranks communicate per step
-beside the planner's prediction for the same layout.
+"""Tensor parallel on this machine: 2 ranks x 1 thread (one torchrun launch; activations
+all-reduced through shared memory, and through gloo) against 1 process x 2 threads, decode at
+each batch size, with the bytes the ranks communicate per step beside the planner's prediction
+for the same layout.
 
 Each configuration runs in processes of its own (`python -m loom.bench.tp ...`, under torchrun
 for 2 ranks); rank 0 writes its figures as JSON. Decode is timed from the step after every
@@ -53,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     from loom import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, tensor_parallel_size=args.tp,
-              max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.max_tokens + 16)
+              all_reduce=args.all_reduce, max_num_seqs=max(args.batches),
+              max_model_len=args.prompt_len + args.max_tokens + 16)
     vocab = llm.engine.config.model_config.vocab_size
     llm.generate([{"prompt_token_ids": [5] * 16}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     rows = [_decode(llm, b, args.prompt_len, args.max_tokens, vocab) for b in args.batches]
@@ -67,12 +69,12 @@ def _free_port() -> int:
 
 
 def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prompt_len: int,
-        max_tokens: int) -> list[dict]:
+        max_tokens: int, all_reduce: str = "auto") -> list[dict]:
     """The decode rows of one configuration, each rank on `threads` threads."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         args = ["--model", str(model), "--dtype", dtype, "--tp", str(tp), "--threads", str(threads), "--batches",
-                *map(str, batches), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--out", str(out)]
+                *map(str, batches), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--all-reduce", all_reduce, "--out", str(out)]
         launcher = [sys.executable]
         if tp > 1:
             launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
@@ -106,5 +108,6 @@ if __name__ == "__main__":
     p.add_argument("--batches", type=int, nargs="+", required=True)
     p.add_argument("--prompt-len", type=int, required=True)
     p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--all-reduce", default="auto")
     p.add_argument("--out", required=True)
     worker(p.parse_args())

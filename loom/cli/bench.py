@@ -394,29 +394,34 @@ def _tp(args: argparse.Namespace) -> None:
     if args.threads % 2:
         raise ValueError(f"--threads: {args.threads} cores cannot be split over 2 ranks")
     per_rank = args.threads // 2
-    configs = {f"1 process x {args.threads} threads": (1, args.threads),
-               f"2 ranks x {per_rank} thread{'s' if per_rank > 1 else ''}": (2, per_rank)}
+    ranks_label = f"2 ranks x {per_rank} thread{'s' if per_rank > 1 else ''}"
+    configs = {f"1 process x {args.threads} threads": (1, args.threads, "auto"),
+               f"{ranks_label}, shared memory": (2, per_rank, "shared_memory"),
+               f"{ranks_label}, gloo": (2, per_rank, "process_group")}
     results = {}
-    for label, (ranks, threads) in configs.items():
-        results[label] = tp.run(model, args.dtype, ranks, threads, args.batches, args.prompt_len, args.max_tokens)
+    for label, (ranks, threads, all_reduce) in configs.items():
+        results[label] = tp.run(model, args.dtype, ranks, threads, args.batches, args.prompt_len, args.max_tokens,
+                                all_reduce)
         for row in results[label]:
             print(f"{label}, batch {row['batch']}: {row['ms_per_step']:.2f} ms/step, {row['tok_per_s']:.1f} tok/s, "
                   f"bytes/step {row['bytes_per_step'] or '-'}", flush=True)
-    single, split = results.values()
+    single, shared, gloo = results.values()
     comparison = []
-    for one, two in zip(single, split):
+    for one, two, three in zip(single, shared, gloo):
         predicted = tp.planner_bytes(model, args.dtype, 2, two["batch"])
         measured = two["bytes_per_step"]["all_reduce"]
-        comparison.append({"batch": two["batch"], "step_time_ratio": two["ms_per_step"] / one["ms_per_step"],
+        comparison.append({"batch": two["batch"], "shared_memory_step_time_ratio": two["ms_per_step"] / one["ms_per_step"],
+                           "gloo_step_time_ratio": three["ms_per_step"] / one["ms_per_step"],
                            "all_reduce_bytes": measured, "planner_all_reduce_bytes": predicted["all_reduce"],
                            "bytes_error": measured / predicted["all_reduce"] - 1})
-        print(f"batch {two['batch']}: 2 ranks / 1 process step time {comparison[-1]['step_time_ratio']:.2f}x; "
-              f"all-reduce bytes/step {measured:.0f} vs planner {predicted['all_reduce']:.0f} "
-              f"({comparison[-1]['bytes_error']:+.1%})")
+        c = comparison[-1]
+        print(f"batch {two['batch']}: 2 ranks / 1 process step time {c['shared_memory_step_time_ratio']:.2f}x "
+              f"(shared memory), {c['gloo_step_time_ratio']:.2f}x (gloo); all-reduce bytes/step {measured:.0f} vs "
+              f"planner {predicted['all_reduce']:.0f} ({c['bytes_error']:+.1%})")
     path = write_report("tensor_parallel", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
                                             "max_tokens": args.max_tokens, "results": results,
                                             "comparison": comparison}, args.out_dir)
-    labels = [f"{label}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
+    labels = [f"{label.replace(', ', chr(10))}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
     bar_plot(path.with_suffix(".png"), f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 "
              "tensor-parallel ranks (gloo)", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
              "ms per decode step")

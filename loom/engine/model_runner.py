@@ -220,8 +220,10 @@ class ModelRunner:
         """On a rank other than 0: runs every step rank 0 sends, until it sends the end. A rank
         gone (its connections closed) fails the collective waiting for it, and so this rank."""
         try:
-            while (inputs := broadcast_step(None, self.parallel)[0]) is not None:
-                with torch.inference_mode():
+            # Received under inference mode too: tensors unpickled outside it would not match the
+            # compiled graphs' guards (one recompile per graph, seconds each, mid-run).
+            with torch.inference_mode():
+                while (inputs := broadcast_step(None, self.parallel)[0]) is not None:
                     self._run(inputs)
         except Exception as error:
             raise LockStepError(self.parallel, error) from error

@@ -12,6 +12,8 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
+  shm_open_group, shm_all_reduce  a sum all-reduce between the processes of one machine
+                          through shared memory (shm_all_reduce.cpp), for tensor-parallel ranks
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "linear.cpp")
+SOURCES = ("paged_attention.cpp", "linear.cpp", "shm_all_reduce.cpp")
 
 
 @functools.cache
@@ -66,6 +68,10 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
 
 
 def _register_fakes() -> None:
+    @torch.library.register_fake("loom::shm_all_reduce")
+    def _(x, group):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

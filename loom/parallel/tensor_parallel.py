@@ -89,9 +89,17 @@ def keep_columns(layer: Layer, columns: slice, name: str, state: ParallelState) 
     return part
 
 
-def _all_reduce_output(group: dist.ProcessGroup):
+def all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The sum of `x` over the ranks: through shared memory when the ranks have a group there,
+    else the process group's (both are operators a compiled graph calls)."""
+    if state.shm_group is not None:
+        return torch.ops.loom.shm_all_reduce(x, state.shm_group)
+    return funcol.all_reduce(x, "sum", state.group)
+
+
+def _all_reduce_output(state: ParallelState):
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(output, "sum", group)
+        return all_reduce(output, state)
     return hook
 
 
@@ -99,16 +107,16 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + n) of the embedding; ids outside them look up zeros, and the sum over
     ranks is the full lookup."""
 
-    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, weight: torch.Tensor, start: int, state: ParallelState) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.group = start, group
+        self.start, self.state = start, state
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return funcol.all_reduce(torch.where(inside.unsqueeze(-1), rows, 0), "sum", self.group)
+        return all_reduce(torch.where(inside.unsqueeze(-1), rows, 0), self.state)
 
 
 class VocabParallelHead(nn.Module):
@@ -153,14 +161,14 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
                                        f"layers.{i}.self_attn.o_proj", state)
             attn.num_heads, attn.num_kv_heads = heads, kv_count
             attn.q_size, attn.kv_size = heads * hd, kv_count * hd
-            attn.register_forward_hook(_all_reduce_output(state.group))
+            attn.register_forward_hook(_all_reduce_output(state))
 
             ffn_rows = torch.arange(r * ffn, (r + 1) * ffn)
             mlp.gate_up_proj = keep_rows(mlp.gate_up_proj, torch.cat([ffn_rows, cfg.intermediate_size + ffn_rows]))
             mlp.down_proj = keep_columns(mlp.down_proj, slice(r * ffn, (r + 1) * ffn), f"layers.{i}.mlp.down_proj",
                                          state)
             mlp.intermediate_size = ffn
-            mlp.register_forward_hook(_all_reduce_output(state.group))
+            mlp.register_forward_hook(_all_reduce_output(state))
 
         model.embed_tokens, model.lm_head = _vocab_parallel(model.embed_tokens, model.lm_head, cfg, state)
 
@@ -169,7 +177,7 @@ def _vocab_parallel(embedding: nn.Embedding, head: Layer, cfg: ModelConfig,
                     state: ParallelState) -> tuple[VocabParallelEmbedding, VocabParallelHead]:
     """The embedding and LM head cut to this rank's share of the vocabulary (tied stays tied)."""
     weight, start = _vocab_shard(embedding.weight, state)
-    embedding = VocabParallelEmbedding(weight, start, state.group)
+    embedding = VocabParallelEmbedding(weight, start, state)
     if isinstance(head, nn.Linear):
         part = _linear(embedding.weight if cfg.tie_word_embeddings else _vocab_shard(head.weight, state)[0], None)
         if cfg.tie_word_embeddings:
@@ -197,7 +205,7 @@ def shard_gpt_neox(model: GPTNeoXForCausalLM, state: ParallelState) -> None:
             mlp.dense_4h_to_h = keep_columns(mlp.dense_4h_to_h, slice(r * ffn, (r + 1) * ffn),
                                              f"layers.{i}.mlp.dense_4h_to_h", state)
             for partial_sum in (layer.attention_sum, layer.block_sum):
-                partial_sum.register_forward_hook(_all_reduce_output(state.group))
+                partial_sum.register_forward_hook(_all_reduce_output(state))
         model.embed_in, model.embed_out = _vocab_parallel(model.embed_in, model.embed_out, cfg, state)
 
 
