@@ -421,9 +421,11 @@ def _tp(args: argparse.Namespace) -> None:
     path = write_report("tensor_parallel", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
                                             "max_tokens": args.max_tokens, "results": results,
                                             "comparison": comparison}, args.out_dir)
-    labels = [f"{label.replace(', ', chr(10))}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
+    short = {label: label.replace(" x ", "\nx ").replace(", ", "\n").replace("shared memory", "shared\nmemory")
+             for label in results}
+    labels = [f"{short[label]}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
     bar_plot(path.with_suffix(".png"), f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 "
-             "tensor-parallel ranks (gloo)", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
+             "tensor-parallel ranks", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
              "ms per decode step")
     print(f"wrote {path}")
 

@@ -3,7 +3,8 @@ torchrun, so the same code spans machines). Rank 0 schedules, samples and talks 
 sends each step's inputs to every rank, and all ranks run the model in lock step on their
 shard of weights and KV.
 
-  state.py            the process group and this rank's place in it
+  state.py            the process group, this rank's place in it, and the shared-memory
+                      all-reduce group of ranks on one host
   tensor_parallel.py  Megatron 1D weight-stationary sharding of a loaded model (weight slicing
                       plus all-reduce hooks; vocab-parallel embedding and LM head)
   step.py             broadcasting a step's inputs from rank 0; the other ranks' step loop
