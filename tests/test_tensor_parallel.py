@@ -147,11 +147,13 @@ for dtype in (torch.float32, torch.bfloat16):
         mine = (torch.arange(numel) % 97 * (state.rank + 1)).to(dtype)
         total = torch.ops.loom.shm_all_reduce(mine, state.shm_group)
         assert torch.equal(total, (torch.arange(numel) % 97 * 3).to(dtype)), (dtype, numel)
+        both = torch.ops.loom.shm_all_gather(mine, state.shm_group, 2)
+        assert torch.equal(both, torch.stack([(torch.arange(numel) % 97 * k).to(dtype) for k in (1, 2)]))
 print("sums ok")
 """
 
 
-def test_shared_memory_all_reduce_sums_in_pieces(tmp_path):
+def test_shared_memory_all_reduce_and_gather_in_pieces(tmp_path):
     script = tmp_path / "shm_check.py"
     script.write_text(SHM_CHECK)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -48,7 +48,7 @@ def count_collectives() -> dict:
         return call
 
     tensor_parallel.all_reduce = counted("all_reduce", tensor_parallel.all_reduce)  # shared memory or gloo
-    dist.gather = counted("gather", dist.gather)
+    tensor_parallel.gather_to_driver = counted("gather", tensor_parallel.gather_to_driver)
     dist.broadcast = counted("broadcast", dist.broadcast)
     return counts
 

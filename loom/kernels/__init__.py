@@ -12,8 +12,9 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
-  shm_open_group, shm_all_reduce  a sum all-reduce between the processes of one machine
-                          through shared memory (shm_all_reduce.cpp), for tensor-parallel ranks
+  shm_open_group, shm_all_reduce, shm_all_gather  a sum all-reduce and an all-gather between
+                          the processes of one machine through shared memory (shm_all_reduce.cpp),
+                          for tensor-parallel ranks
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::shm_all_reduce")
     def _(x, group):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("loom::shm_all_gather")
+    def _(x, group, world):
+        return x.new_empty(world, *x.shape)
 
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):

@@ -97,6 +97,17 @@ def all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", state.group)
 
 
+def gather_to_driver(x: torch.Tensor, state: ParallelState) -> list[torch.Tensor] | None:
+    """Every rank's `x` (same shapes), in rank order, on rank 0; None on the others. Through
+    shared memory when the ranks have a group there (every rank then holds them all)."""
+    if state.shm_group is not None:
+        parts = torch.ops.loom.shm_all_gather(x, state.shm_group, state.tp_size)
+        return list(parts.unbind(0)) if state.is_driver else None
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)] if state.is_driver else None
+    dist.gather(x, parts, dst=0, group=state.group)
+    return parts
+
+
 def _all_reduce_output(state: ParallelState):
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return all_reduce(output, state)
@@ -129,11 +140,9 @@ class VocabParallelHead(nn.Module):
         self.linear, self.vocab_size, self.state = linear, vocab_size, state
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self.linear(hidden).float().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.state.tp_size)] if self.state.is_driver else None
-        dist.gather(local, parts, dst=0, group=self.state.group)
-        if not self.state.is_driver:
-            return local[:, :0]
+        parts = gather_to_driver(self.linear(hidden).float().contiguous(), self.state)
+        if parts is None:
+            return hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
 
