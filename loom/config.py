@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from loom.kv.policy import SCORED_POLICIES, check_kv_policy
+from loom.kv.policy import check_kv_policy, check_kv_policy_ranks
 from loom.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -178,9 +178,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)
         self.parallel.check_model(self.model_config)
-        if self.parallel.world_size > 1 and self.cache.kv_policy in SCORED_POLICIES:
-            raise ValueError(f"kv_policy: {self.cache.kv_policy} needs every KV head's scores in one process; "
-                             "it does not run with tensor_parallel_size > 1 yet")
+        check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size)
         if self.quantization is not None and self.model_config.quantization is not None:
             raise ValueError(f"quantization: {self.model} is already quantized "
                              f"({self.model_config.quantization['method']}); load it without quantization=")

@@ -4,9 +4,8 @@ fail before any weight loads."""
 from __future__ import annotations
 
 import json
-import signal
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
 from loom.parallel.tensor_parallel import kv_replication, local_kv_heads
 from tests.conftest import build_hf_model, random_prompts
+from tests.serving import free_port
 from tests.tp_run import generate
 
 HELPER = Path(__file__).with_name("tp_run.py")
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches() -> list[list[list[int]]]:
@@ -75,7 +69,7 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, **options) 
     common = dict(model=str(model_dir), max_model_len=256, max_num_batched_tokens=32, num_threads=1, **options)
     single = generate({**common, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(), MAX_TOKENS)
     rank_heads = local_kv_heads(m.num_heads, m.num_kv_heads, 2, 0)[1]
-    port = str(_free_port())
+    port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
     parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": 2, "kv_cache_memory": pool_bytes(rank_heads)},
                          [["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]],
@@ -158,7 +152,7 @@ def test_shared_memory_all_reduce_and_gather_in_pieces(tmp_path):
     script.write_text(SHM_CHECK)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_free_port()), str(script)], env=env, capture_output=True, text=True, timeout=300)
+                           str(free_port()), str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.count("sums ok") == 2, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -170,7 +164,7 @@ def test_two_machines_on_loopback(gqa, tmp_path):
     """The same run as two torchrun launches of one process each (two "nodes")."""
     options = dict(model=str(gqa[0]), max_model_len=256, max_num_batched_tokens=32, num_threads=1)
     single = generate(options, _batches(), MAX_TOKENS)
-    port = str(_free_port())
+    port = str(free_port())
     launches = [["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                  "--master-port", port] for rank in (0, 1)]
     assert _torchrun(tmp_path, {**options, "tensor_parallel_size": 2}, launches)["tokens"] == single["tokens"]
@@ -181,7 +175,7 @@ def test_a_rank_lost_mid_generation_stops_the_other(gqa, tmp_path):
     killed while generating: the first exits with an error saying so (instead of waiting)."""
     batches, ready = tmp_path / "batches.json", tmp_path / "ready"
     batches.write_text(json.dumps(_batches() * 200))  # minutes of work
-    port, env = str(_free_port()), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+    port, env = str(free_port()), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                                        LOOM_TEST_READY_FILE=str(ready))
     options = json.dumps(dict(model=str(gqa[0]), max_model_len=256, num_threads=1, tensor_parallel_size=2,
                               max_tokens=MAX_TOKENS))
@@ -281,9 +275,9 @@ def test_serve_under_torchrun(gqa, tmp_path):
     expected = LLM(str(gqa[0]), num_threads=1).generate({"prompt_token_ids": prompt},
                                                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                                                         use_tqdm=False)[0].outputs[0].token_ids
-    port, env = _free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                               str(_free_port()), "-m", "loom.cli", "serve", "--model", str(gqa[0]), "--port", str(port),
+                               str(free_port()), "-m", "loom.cli", "serve", "--model", str(gqa[0]), "--port", str(port),
                                "--tensor-parallel-size", "2", "--threads", "1"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

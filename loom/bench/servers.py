@@ -44,7 +44,8 @@ class Launched:
             self.process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -87,7 +88,7 @@ def launch_loom(model_dir: Path, weights: str, max_num_seqs: int, threads: int, 
     """`loom serve` on `model_dir` in `weights` (a dtype, or int8 / int4 over bf16). With
     `compile_cache`, torch's compiled graphs and Loom's C++ kernels are built into and read from
     that folder (an empty one: a cold start)."""
-    port = _free_port()
+    port = free_port()
     dtype, quantization = split_weights(weights)
     cmd = [sys.executable, "-m", "loom.cli", "serve", "--model", str(model_dir), "--dtype", dtype, "--port", str(port),
            "--threads", str(threads), "--max-num-seqs", str(max_num_seqs)]
@@ -117,7 +118,7 @@ def launch_llama_server(model_dir: Path, weights: str, parallel: int, context_pe
     from loom.bench.llamacpp import ensure_llama_server
 
     binary = ensure_llama_server()
-    port = _free_port()
+    port = free_port()
     name = Path(model_dir).resolve().name
     cmd = [str(binary), "-m", str(_gguf(model_dir, weights)), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-cb", "-c", str(parallel * context_per_slot),
@@ -133,7 +134,7 @@ def launch_llama_cpp_python(model_dir: Path, weights: str, context: int, threads
     from loom.bench.llamacpp import ensure_llama_cpp_server
 
     python = ensure_llama_cpp_server()
-    port = _free_port()
+    port = free_port()
     name = Path(model_dir).resolve().name
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(_gguf(model_dir, weights)), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),

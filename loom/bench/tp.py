@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,15 +61,11 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(rows))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prompt_len: int,
         max_tokens: int, all_reduce: str = "auto") -> list[dict]:
     """The decode rows of one configuration, each rank on `threads` threads."""
+    from loom.bench.servers import free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         args = ["--model", str(model), "--dtype", dtype, "--tp", str(tp), "--threads", str(threads), "--batches",
@@ -78,7 +73,7 @@ def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prom
         launcher = [sys.executable]
         if tp > 1:
             launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-                         "--master-port", str(_free_port())]
+                         "--master-port", str(free_port())]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         subprocess.run([*launcher, "-m", "loom.bench.tp", *args], check=True, env=env)
         return json.loads(out.read_text())

@@ -13,7 +13,7 @@ from loom.engine.beam_search import BeamState
 from loom.engine.sequence import Request
 from loom.engine.stop_checker import eos_token_ids
 from loom.kv.block_manager import SlotMap
-from loom.kv.policy import KVPolicy
+from loom.kv.policy import KVPolicy, check_kv_policy_ranks
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -68,9 +68,8 @@ class InputProcessor:
                                   cache.kv_budget if params.kv_budget is None else params.kv_budget, num_prompt_tokens,
                                   cache.kv_recent_ratio if params.kv_recent_ratio is None else params.kv_recent_ratio,
                                   params.max_tokens)
-        if policy is not None and policy.scored and self.config.parallel.world_size > 1:
-            raise ValueError(f"kv_policy: {policy.name} needs every KV head's scores in one process; it does not run "
-                             "with tensor_parallel_size > 1 yet")
+        if policy is not None:
+            check_kv_policy_ranks(policy.name, self.config.parallel.world_size)
         return policy
 
     def request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:

@@ -58,6 +58,13 @@ def check_kv_policy(policy: object, budget: object, recent_ratio: object = None)
                          f"got {budget!r}")
 
 
+def check_kv_policy_ranks(policy: str, world_size: int) -> None:
+    """Scored policies keep per-head scores in one process: not yet with several ranks."""
+    if world_size > 1 and policy in SCORED_POLICIES:
+        raise ValueError(f"kv_policy: {policy} needs every KV head's scores in one process; it does not run "
+                         "with tensor_parallel_size > 1 yet")
+
+
 @dataclass(frozen=True)
 class KVPolicy:
     name: str
