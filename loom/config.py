@@ -120,8 +120,6 @@ class ParallelConfig:
             raise ValueError(f"all_reduce: {self.all_reduce!r}, choose from {ALL_REDUCES}")
         if self.attention_sharding not in ATTENTION_SHARDINGS:
             raise ValueError(f"attention_sharding: {self.attention_sharding!r}, choose from {ATTENTION_SHARDINGS}")
-        if self.kv_parallel_size > 1:
-            raise ValueError("kv_parallel_size: Helix KV parallelism is not available yet; use 1")
         if self.attention_sharding != "heads":
             raise ValueError("attention_sharding: only 'heads' is available yet")
 
@@ -130,16 +128,19 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.kv_parallel_size
 
     def check_model(self, m: ModelConfig) -> None:
-        """Fails before any weight loads when the model cannot be split this way."""
-        tp = self.tensor_parallel_size
-        if m.num_heads % tp:
-            raise ValueError(f"tensor_parallel_size: {tp} must divide the model's {m.num_heads} attention heads")
+        """Fails before any weight loads when the model cannot be split this way. Attention heads
+        split over tensor_parallel_size ranks (with KV parallelism, Helix's TPA), and again over
+        the kv_parallel_size ranks after the attention; the FFN over all of them."""
+        tp, world = self.tensor_parallel_size, self.world_size
+        ranks = f"tensor_parallel_size {tp} x kv_parallel_size {self.kv_parallel_size}" if world > tp else \
+            f"tensor_parallel_size: {tp}"
+        if m.num_heads % world:
+            raise ValueError(f"{ranks} must divide the model's {m.num_heads} attention heads")
         if m.num_kv_heads % tp and tp % m.num_kv_heads:
             raise ValueError(f"tensor_parallel_size: {tp} must divide the model's {m.num_kv_heads} KV heads or be a "
                              "multiple of them (then each rank keeps the KV heads its query heads read)")
-        if m.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size: {tp} must divide the model's intermediate_size "
-                             f"{m.intermediate_size}")
+        if m.intermediate_size % world:
+            raise ValueError(f"{ranks} must divide the model's intermediate_size {m.intermediate_size}")
 
 
 def default_enforce_eager() -> bool:
@@ -178,7 +179,14 @@ class EngineConfig:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)
         self.parallel.check_model(self.model_config)
-        check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size)
+        if self.parallel.kv_parallel_size > 1:
+            if self.attention_backend != "cpp":
+                raise ValueError("kv_parallel_size: KV parallelism needs attention_backend 'cpp' (its partial "
+                                 "attention's log-sum-exp)")
+            if self.scheduler.preemption_mode == "swap":
+                raise ValueError("kv_parallel_size: preemption by swap does not run with KV parallelism yet; "
+                                 "use preemption_mode='recompute'")
+        check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size, self.parallel.kv_parallel_size)
         if self.quantization is not None and self.model_config.quantization is not None:
             raise ValueError(f"quantization: {self.model} is already quantized "
                              f"({self.model_config.quantization['method']}); load it without quantization=")

@@ -36,8 +36,9 @@ class LLM:
                  kv_policy: str = "full", kv_budget: int | float | None = None,
                  kv_recent_ratio: float = 0.3, tensor_parallel_size: int = 1, kv_parallel_size: int = 1,
                  attention_sharding: str = "heads", all_reduce: str = "auto") -> None:
-        """Under torchrun with tensor_parallel_size > 1, only rank 0 returns: the other ranks run
-        the steps rank 0 sends them, then exit the process (status 0) when rank 0 finishes."""
+        """On several ranks (tensor_parallel_size x kv_parallel_size > 1, under torchrun), only
+        rank 0 returns: the other ranks run the steps rank 0 sends them, then exit the process
+        (status 0) when rank 0 finishes."""
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
             quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,

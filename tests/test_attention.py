@@ -57,7 +57,8 @@ def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, block_size, back
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
-    out = paged_decode_attention(q, cache, 0, bt, torch.tensor(lengths, dtype=torch.int32), head_dim ** -0.5, backend)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out, _ = paged_decode_attention(q, cache, 0, bt, lens, head_dim ** -0.5, backend)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(len(lengths)):
         ref = dense_attention(q[b : b + 1], ks[b], vs[b])[0]
@@ -104,7 +105,7 @@ def test_packed_step_with_cached_prefixes_matches_dense(backend):
         prefills=[PrefillSegment(2, 6, 19, torch.tensor(tables[2], dtype=torch.int32)),
                   PrefillSegment(8, 11, 11, torch.tensor(tables[3], dtype=torch.int32))],
     )
-    out = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, backend)
+    out, _ = paged_attention(q, k, v, cache, 0, meta, D ** -0.5, backend)
     full_k = [torch.cat([ks[0], k[0:1]]), torch.cat([ks[1], k[1:2]]), torch.cat([ks[2], k[2:8]]), k[8:]]
     full_v = [torch.cat([vs[0], v[0:1]]), torch.cat([vs[1], v[1:2]]), torch.cat([vs[2], v[2:8]]), v[8:]]
     row = 0
@@ -134,7 +135,7 @@ def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size
     slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(prefix, 70)])
     meta = AttentionMetadata(slot_mapping=slots,
                              prefills=[PrefillSegment(0, n, 70, torch.tensor(table, dtype=torch.int32))])
-    out = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
+    out, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
     full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
     ref = dense_attention(q, full_k, full_v, causal_offset=prefix)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -184,7 +185,7 @@ def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots.slots(stored, stored + 1)), num_decode_tokens=1,
                              decode_block_tables=torch.tensor([slots.block_ids], dtype=torch.int32),
                              decode_context_lens=torch.tensor([stored + 1], dtype=torch.int32))
-    out = paged_attention(q, k[L:L + 1], v[L:L + 1], cache, 0, meta, D ** -0.5, backend)
+    out, _ = paged_attention(q, k[L:L + 1], v[L:L + 1], cache, 0, meta, D ** -0.5, backend)
     ref = dense_attention(q, k[kept + [L]], v[kept + [L]])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     bm.commit(slots, 1, L, lambda: list(range(L + 1)))
@@ -197,7 +198,7 @@ def test_attention_after_dropping_tokens_reads_exactly_the_kept_ones(backend):
     seg = PrefillSegment(0, n, stored + n, torch.tensor(slots.blocks_for(stored + n), dtype=torch.int32),
                          key_positions=torch.tensor(slots.positions + [L + 1, L + 2, L + 3]))
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots.slots(stored, stored + n)), prefills=[seg])
-    out = paged_attention(q, k[L + 1:], v[L + 1:], cache, 0, meta, D ** -0.5, backend)
+    out, _ = paged_attention(q, k[L + 1:], v[L + 1:], cache, 0, meta, D ** -0.5, backend)
     history = kept + [L]
     ref = dense_attention(q, k[history + [L + 1, L + 2, L + 3]], v[history + [L + 1, L + 2, L + 3]],
                           causal_offset=len(history))

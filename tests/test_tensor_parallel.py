@@ -56,26 +56,29 @@ def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_va
     return json.loads(out.read_text())
 
 
-def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, **options) -> dict:
-    """One process against 2 tensor-parallel ranks, each pool of the same number of blocks (so
-    both schedule alike, preempting): the same tokens. With `near_tie`, a generation may part
-    from one process's where that one's two best tokens were within `near_tie` nats."""
+def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, **options) -> dict:
+    """One process against tp x kvp ranks (2 tensor-parallel ones by default), whose pools hold
+    as many blocks in all as the one process's (so both schedule alike, preempting): the same
+    tokens. With `near_tie`, a generation may part from one process's where that one's two
+    best tokens were within `near_tie` nats."""
     m = ModelConfig.from_dir(model_dir)
     blocks = 24  # a sequence of max_model_len 256 needs 16; the batch needs more: preemption
 
-    def pool_bytes(kv_heads: int) -> int:
-        return blocks * kv_bytes_per_block(m.num_layers, kv_heads, m.head_dim, 16, torch.float32)
+    def pool_bytes(kv_heads: int, shards: int = 1) -> int:
+        return blocks // shards * kv_bytes_per_block(m.num_layers, kv_heads, m.head_dim, 16, torch.float32)
 
     common = dict(model=str(model_dir), max_model_len=256, max_num_batched_tokens=32, num_threads=1, **options)
     single = generate({**common, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(), MAX_TOKENS)
-    rank_heads = local_kv_heads(m.num_heads, m.num_kv_heads, 2, 0)[1]
+    rank_heads = local_kv_heads(m.num_heads, m.num_kv_heads, tp, 0)[1]
     port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
-    parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": 2, "kv_cache_memory": pool_bytes(rank_heads)},
-                         [["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]],
+    parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp,
+                                    "kv_cache_memory": pool_bytes(rank_heads, kvp)},
+                         [["--nproc-per-node", str(tp * kvp), "--master-addr", "127.0.0.1", "--master-port", port]],
                          **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
     if eager:  # the engine's tally is what rank 0 really issued
         stats, counted = parallel["stats"], parallel["counted"]
+        counted = {kind: value for kind, value in counted.items() if value[0]}
         assert stats["collective_calls"] == {kind: calls for kind, (calls, _) in counted.items()}
         assert stats["collective_bytes"] == {kind: nbytes for kind, (_, nbytes) in counted.items()}
     if near_tie:
@@ -104,26 +107,53 @@ def test_two_ranks_generate_as_one_process(hf_models, tmp_path, name):
     _compare(tmp_path, hf_models(name)[0])
 
 
-@pytest.mark.parametrize("name,per_layer", [("gpt_neox_parallel", 1), ("gpt_neox_serial", 2)])
-def test_two_ranks_gpt_neox(hf_models, tmp_path, name, per_layer):
-    """GPT-NeoX on 2 ranks as in one process; its parallel block all-reduces once per layer
-    (the attention's and FFN's partial sums together), the serial one twice (plus the
-    embedding's, once per step: a step is two broadcasts and one forward)."""
+@pytest.mark.parametrize("name,per_layer,kvp", [("gpt_neox_parallel", 1, 1), ("gpt_neox_serial", 2, 1),
+                                                ("gpt_neox_parallel", 1, 2)])
+def test_two_ranks_gpt_neox(hf_models, tmp_path, name, per_layer, kvp):
+    """GPT-NeoX on 2 ranks (tensor parallel, or Helix's 2 KV ranks) as in one process; its
+    parallel block all-reduces once per layer (the attention's and FFN's partial sums together),
+    the serial one twice (plus the embedding's, once per step: a step is two broadcasts and one
+    forward)."""
     model_dir = hf_models(name)[0]
-    calls = _compare(tmp_path, model_dir)["stats"]["collective_calls"]
+    calls = _compare(tmp_path, model_dir, tp=2 // kvp, kvp=kvp)["stats"]["collective_calls"]
     layers = ModelConfig.from_dir(model_dir).num_layers
     assert calls["all_reduce"] == (per_layer * layers + 1) * calls["broadcast"] // 2
 
 
-def test_two_ranks_int8(tmp_path):
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
+def test_helix_two_kv_ranks(hf_models, tmp_path, name):
+    """Helix with KVP = 2, TPA = 1: each rank holds every other block of each sequence; one
+    all-to-all per layer."""
+    model_dir = hf_models(name)[0]
+    calls = _compare(tmp_path, model_dir, tp=1, kvp=2)["stats"]["collective_calls"]
+    assert calls["all_to_all"] == ModelConfig.from_dir(model_dir).num_layers * calls["broadcast"] // 2
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
+def test_helix_two_kv_ranks_by_two_tensor_ranks(hf_models, tmp_path, name):
+    """KVP = 2 x TPA = 2 on 4 processes: the attention's heads split over 2 ranks, each of their
+    KV over 2 more; output projection and FFN over all 4."""
+    _compare(tmp_path, hf_models(name)[0], tp=2, kvp=2)
+
+
+@pytest.mark.parametrize("options", [dict(enforce_eager=False), dict(all_reduce="process_group")],
+                         ids=["compiled", "gloo"])
+def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
+    """Helix's all-to-all inside the compiled decode graphs, and through gloo (all_to_all_single)."""
+    _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
+
+
+@pytest.mark.parametrize("tp,kvp", [(2, 1), (1, 2)], ids=["tensor", "helix"])
+def test_two_ranks_int8(tmp_path, tp, kvp):
     """int8 layers quantize activations in groups of 64 inputs. With each rank's share of o_proj's
     and down_proj's inputs a multiple of 64 (8 heads of 16 over 2 ranks; 256 / 2) the ranks round
-    the groups one process rounds, but the all-reduce sums in another order, and a difference in
-    the last bit can move a value across a rounding step (1/254 of its group's largest): a
-    generation may part from one process's at a near tie, and only there."""
+    the groups one process rounds, but the all-reduce sums in another order (and Helix merges
+    partial attentions), and a difference in the last bit can move a value across a rounding
+    step (1/254 of its group's largest): a generation may part from one process's at a near
+    tie, and only there."""
     model_dir = tmp_path / "gqa128"
     build_hf_model(model_dir, "llama_gqa", hidden_size=128)
-    _compare(tmp_path, model_dir, near_tie=0.05, quantization="int8")
+    _compare(tmp_path, model_dir, near_tie=0.05, tp=tp, kvp=kvp, quantization="int8")
 
 
 def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):
@@ -143,11 +173,16 @@ for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(total, (torch.arange(numel) % 97 * 3).to(dtype)), (dtype, numel)
         both = torch.ops.loom.shm_all_gather(mine, state.shm_group, 2)
         assert torch.equal(both, torch.stack([(torch.arange(numel) % 97 * k).to(dtype) for k in (1, 2)]))
+        # all-to-all: rank r sends piece j (r + 1) * (j + 1) * base to rank j
+        base = torch.arange(numel) % 97
+        pieces = torch.stack([(base * (state.rank + 1) * (j + 1)).to(dtype) for j in range(2)])
+        got = torch.ops.loom.shm_all_to_all(pieces, state.shm_group)
+        assert torch.equal(got, torch.stack([(base * (r + 1) * (state.rank + 1)).to(dtype) for r in range(2)]))
 print("sums ok")
 """
 
 
-def test_shared_memory_all_reduce_and_gather_in_pieces(tmp_path):
+def test_shared_memory_collectives_in_pieces(tmp_path):
     script = tmp_path / "shm_check.py"
     script.write_text(SHM_CHECK)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -240,6 +275,26 @@ def _model(heads: int, kv_heads: int, intermediate: int = 128) -> ModelConfig:
 def test_sizes_that_do_not_divide_fail_first(tp, heads, kv_heads, intermediate, field):
     with pytest.raises(ValueError, match=f"tensor_parallel_size: {tp} must divide the model's .*{field}"):
         ParallelConfig(tensor_parallel_size=tp).check_model(_model(heads, kv_heads, intermediate))
+
+
+def test_helix_sizes_that_do_not_divide_fail_first():
+    # 12 heads over 2 x 4 ranks; an FFN of 130 over 2 x 3
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 x kv_parallel_size 4 must divide the model's 12 "
+                                         "attention heads"):
+        ParallelConfig(tensor_parallel_size=2, kv_parallel_size=4).check_model(_model(12, 4))
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 x kv_parallel_size 3 must divide .* intermediate"):
+        ParallelConfig(tensor_parallel_size=2, kv_parallel_size=3).check_model(_model(12, 4, 130))
+
+
+def test_helix_refuses_what_it_cannot_run_yet(gqa):
+    """Before any process group or weight: drops move tokens across the KV shards' blocks, and
+    swapped blocks would need a shard of their own."""
+    with pytest.raises(ValueError, match="kv_policy: window .* kv_parallel_size > 1"):
+        LLM(str(gqa[0]), kv_parallel_size=2, kv_policy="window", kv_budget=0.5)
+    with pytest.raises(ValueError, match="preemption_mode='recompute'"):
+        LLM(str(gqa[0]), kv_parallel_size=2, preemption_mode="swap")
+    with pytest.raises(ValueError, match="attention_backend 'cpp'"):
+        LLM(str(gqa[0]), kv_parallel_size=2, attention_backend="torch")
 
 
 def test_bad_parallel_options_name_the_field():

@@ -36,9 +36,9 @@ def count_collectives() -> dict:
     (The shared-memory group's set-up, before any step, uses none of these.)"""
     import torch.distributed as dist
 
-    from loom.parallel import tensor_parallel
+    from loom.parallel import helix, tensor_parallel
 
-    counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0]}
+    counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0], "all_to_all": [0, 0]}
 
     def counted(kind, f):
         def call(tensor, *args, **kwargs):
@@ -50,6 +50,7 @@ def count_collectives() -> dict:
     tensor_parallel.all_reduce = counted("all_reduce", tensor_parallel.all_reduce)  # shared memory or gloo
     tensor_parallel.gather_to_driver = counted("gather", tensor_parallel.gather_to_driver)
     dist.broadcast = counted("broadcast", dist.broadcast)
+    helix.all_to_all = counted("all_to_all", helix.all_to_all)
     return counts
 
 

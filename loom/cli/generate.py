@@ -16,6 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is split over (start one process per rank with torchrun)")
+    p.add_argument("--kv-parallel-size", type=int, default=1,
+                   help="Helix: ranks each sequence's KV cache is split over, times the tensor-parallel ranks")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -55,7 +57,7 @@ def _build(args: argparse.Namespace):
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_parallel_size=args.kv_parallel_size)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)

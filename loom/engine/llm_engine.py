@@ -33,8 +33,9 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         stop_checker = StopChecker(self.processor.eos_token_ids, config.max_model_len)
         self.runner = ModelRunner(config, stop_checker)
-        block_manager = BlockManager(self.runner.cache.num_blocks, config.cache.block_size,
-                                     config.cache.enable_prefix_caching, self.runner.num_swap_blocks)
+        block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                     config.cache.enable_prefix_caching, self.runner.num_swap_blocks,
+                                     num_shards=self.runner.parallel.kvp_size)
         m = config.model_config
         self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker, (m.num_layers, m.num_kv_heads))
         self._request_counter = itertools.count()

@@ -28,6 +28,7 @@ from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
+from loom.parallel.helix import shard_block_pairs, shard_metadata
 from loom.parallel.state import ParallelState, init_parallel
 from loom.parallel.step import CollectiveStats, LockStepError, broadcast_step
 from loom.parallel.tensor_parallel import local_kv_heads, model_collectives
@@ -80,10 +81,12 @@ class ModelRunner:
         self.collectives = CollectiveStats()  # what rank 0's steps communicated (several ranks)
         self.dtype = config.dtype
         self.model = build_model(config, self.parallel)
-        m = config.model_config
-        num_kv_heads = local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tp_size, self.parallel.tp_rank)[1]
-        num_blocks, num_swap_blocks = self._agreed(*kv_cache_blocks(config, num_kv_heads))
-        self.cache = KVCache(m.num_layers, num_blocks, num_kv_heads, m.head_dim, config.cache.block_size,
+        m, kvp = config.model_config, self.parallel.kvp_size
+        num_kv_heads = local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tpa_size, self.parallel.tpa_rank)[1]
+        num_blocks, num_swap_blocks = self._agreed(*kv_cache_blocks(config, num_kv_heads, kvp))
+        self.num_blocks = num_blocks * kvp  # the scheduler's pool: every KVP rank's blocks
+        # With KV parallelism, one spare block more takes the writes of tokens other ranks hold.
+        self.cache = KVCache(m.num_layers, num_blocks + (kvp > 1), num_kv_heads, m.head_dim, config.cache.block_size,
                              config.dtype, self.device, move_kernel=config.attention_backend == "cpp")
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
@@ -252,8 +255,11 @@ class ModelRunner:
             self.swap_space.swap_out(inputs.swap_out)
         if inputs.swap_in:
             self.swap_space.swap_in(inputs.swap_in)
-        self.cache.copy_blocks(inputs.copies)
-        meta = inputs.meta
+        meta, copies = inputs.meta, inputs.copies
+        if (kvp := self.parallel.kvp_size) > 1:  # this rank's blocks only (no moves or swaps: refused)
+            copies = shard_block_pairs(copies, self.parallel.kvp_rank, kvp)
+            meta = shard_metadata(meta, self.parallel.kvp_rank, kvp, self.cache.block_size, self.cache.num_blocks - 1)
+        self.cache.copy_blocks(copies)
         hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only=not meta.prefills)
         logits = []
         if inputs.sample_rows:

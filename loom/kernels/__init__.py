@@ -12,9 +12,9 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
-  shm_open_group, shm_all_reduce, shm_all_gather  a sum all-reduce and an all-gather between
-                          the processes of one machine through shared memory (shm_all_reduce.cpp),
-                          for tensor-parallel ranks
+  shm_open_group, shm_all_reduce, shm_all_gather, shm_all_to_all  a sum all-reduce, an
+                          all-gather and an all-to-all between the processes of one machine
+                          through shared memory (shm_all_reduce.cpp), for parallel ranks
 """
 from __future__ import annotations
 
@@ -77,6 +77,10 @@ def _register_fakes() -> None:
     def _(x, group, world):
         return x.new_empty(world, *x.shape)
 
+    @torch.library.register_fake("loom::shm_all_to_all")
+    def _(x, group):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
@@ -91,7 +95,7 @@ def _register_fakes() -> None:
         return logits.new_empty(num_kv_heads, logits.shape[2])
 
     @torch.library.register_fake("loom::paged_prefill_attention")
-    def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale):
+    def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale, query_positions=None):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::int8_linear")

@@ -271,6 +271,13 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
       const int32_t* table = block_tables + b * max_blocks;
+      if (ctx == 0) {  // a shard of the sequence's keys that holds none of them: nothing to attend
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          std::fill_n(out + (b * num_heads + h) * head_dim, head_dim, static_cast<T>(0.f));
+          lse[b * num_heads + h] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
       scores.resize(group * num_blocks * BS);
       const bool score_row = scored.out && scored.temps[b] > 0.f;
       if (score_row) {
@@ -356,7 +363,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // Prefill: a chunk's n queries are the last n of the ctx tokens stored in a sequence's blocks
 // (their k/v already written). Query i sees the stored tokens up to its own: the first
 // ctx - n + i + 1 of them, or, when `key_positions` is given (tokens were dropped and slots
-// refilled out of order), those whose position is at most its own.
+// refilled out of order), those whose position is at most its own. With `query_positions` too,
+// the blocks are one shard of the sequence's keys (KV parallelism), which need not hold the
+// chunk's own: query i's position is query_positions[i], and it may see no key at all.
 //
 // One task per (kv head, tile of kQueryTile queries). The tile's queries times the group's query
 // heads make the task's rows, which share every K and V read: a key block's row of BS tokens
@@ -455,14 +464,22 @@ inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const i
 #endif
 
 // Turns row s[0:visible] into unnormalized probabilities (0 for keys the row cannot see, whose
-// scores may be anything) and returns its log-sum-exp; `own` is the row's own key.
-inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* key_positions, float* inv_sum) {
+// scores may be anything) and returns its log-sum-exp. Without key positions the row sees the
+// keys up to `own`, its own key; with them, those at or before `position`, its own position.
+// A row that sees no key (a shard of the keys may hold none before it) gets zero probabilities,
+// *inv_sum 0 and a log-sum-exp of -inf.
+inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* key_positions, int64_t position,
+                         float* inv_sum) {
   float top, sum = 0.f;
   if (key_positions) {
-    const int64_t position = key_positions[own];
-    top = s[own];
+    top = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < visible; ++t)
       if (key_positions[t] <= position) top = std::max(top, s[t]);
+    if (top == -std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + visible, 0.f);
+      *inv_sum = 0.f;
+      return top;
+    }
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < visible; ++t) {
       s[t] = key_positions[t] <= position ? std::exp(s[t] - top) : 0.f;
@@ -479,8 +496,8 @@ inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* 
 
 template <typename T, int BS>
 void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const int64_t* key_positions,
-                    T* out, float* lse, int64_t n, int64_t ctx, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t head_dim, float scale) {
+                    const int64_t* query_positions, T* out, float* lse, int64_t n, int64_t ctx, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, float scale) {
   const int64_t group = num_heads / num_kv_heads, tiles = (n + kQueryTile - 1) / kQueryTile;
   const int64_t rows = kQueryTile * group;
   const int64_t first = ctx - n;  // stored index of the chunk's first token
@@ -532,8 +549,9 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
           continue;
         }
         const int64_t r = r0 + m % kQueryTile;
+        const int64_t position = query_positions ? query_positions[r] : key_positions ? key_positions[first + r] : 0;
         lse[r * num_heads + kvh * group + m / kQueryTile] =
-            softmax_row(s, visible, first + r, key_positions, &inv_sum[m]);
+            softmax_row(s, visible, first + r, key_positions, position, &inv_sum[m]);
       }
       for (int64_t m0 = 0; m0 < rows; m0 += kValueRows) {
         const float* p = scores.data() + m0 * lds;
@@ -605,7 +623,8 @@ static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const 
 
 // q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
 // v_cache [num_blocks, KVH, block_size, D]; block_tables [B, max_blocks]
-// int32; context_lens [B] int32 (each >= 1). Returns (out [B, H, D], lse [B, H] float32).
+// int32; context_lens [B] int32 (0: a row with no key in this shard of the cache, whose out is 0
+// and lse -inf). Returns (out [B, H, D], lse [B, H] float32).
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                           const at::Tensor& context_lens, double scale) {
@@ -694,13 +713,15 @@ at::Tensor gumbel_noise(const at::Tensor& row_keys_in, int64_t layer, int64_t nu
 }
 
 // q [n, H, D], the chunk's queries; caches as above; block_ids [>= ceil(context_len / block_size)]
-// int32, the sequence's blocks; key_positions [context_len] int64 or None (see prefill_kernel).
+// int32, the sequence's blocks; key_positions [context_len] int64 or None; query_positions [n]
+// int64 or None, given only with key_positions (see prefill_kernel).
 // Returns (out [n, H, D], lse [n, H] float32).
 std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                            const at::Tensor& v_cache, const at::Tensor& block_ids_in,
                                                            int64_t context_len,
                                                            const std::optional<at::Tensor>& key_positions_in,
-                                                           double scale) {
+                                                           double scale,
+                                                           const std::optional<at::Tensor>& query_positions_in) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
@@ -709,7 +730,9 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(3);
   TORCH_CHECK(k_cache.size(2) == head_dim && v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
               "cache shapes");
-  TORCH_CHECK(n >= 1 && context_len >= n, "context_len must be at least the number of queries");
+  const bool sharded = query_positions_in.has_value();
+  TORCH_CHECK(n >= 1 && (sharded ? context_len >= 0 : context_len >= n),
+              "context_len must be at least the number of queries");
   TORCH_CHECK(block_ids_in.numel() * block_size >= context_len, "block_ids cover fewer than context_len tokens");
   const at::Tensor block_ids = block_ids_in.contiguous();
   at::Tensor key_positions;
@@ -718,6 +741,15 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
     TORCH_CHECK(key_positions.scalar_type() == at::kLong && key_positions.numel() == context_len,
                 "key_positions must be int64 with context_len entries");
   }
+  at::Tensor query_positions;
+  if (sharded) {
+    query_positions = query_positions_in->contiguous();
+    TORCH_CHECK(key_positions.defined() && query_positions.scalar_type() == at::kLong && query_positions.numel() == n,
+                "query_positions must be int64 with an entry per query, and come with key_positions");
+  }
+  if (context_len == 0)  // a shard of the keys holding none of the sequence's: nothing to attend
+    return {at::zeros_like(q), at::full({n, num_heads}, -std::numeric_limits<float>::infinity(),
+                                        q.options().dtype(at::kFloat))};
   auto out = at::empty_like(q);
   auto lse = at::empty({n, num_heads}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
@@ -726,6 +758,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
       prefill_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                    block_ids.data_ptr<int32_t>(),
                                    key_positions.defined() ? key_positions.data_ptr<int64_t>() : nullptr,
+                                   sharded ? query_positions.data_ptr<int64_t>() : nullptr,
                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(), n, context_len, num_heads,
                                    num_kv_heads, head_dim, static_cast<float>(scale));
     };
@@ -819,7 +852,7 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_ids, "
-        "int context_len, Tensor? key_positions, float scale) -> (Tensor, Tensor)");
+        "int context_len, Tensor? key_positions, float scale, Tensor? query_positions=None) -> (Tensor, Tensor)");
   m.def("paged_decode_attention_scored(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor(a!) scores, Tensor score_temps, Tensor row_keys, int layer, "
         "Tensor? key_positions) -> (Tensor, Tensor)");

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from loom.kv.cache import KVCache
 from loom.kv.scores import reference_row_scores
@@ -53,6 +54,9 @@ class PrefillSegment:
     # (tokens were dropped); the chunk's own tokens are the last num_tokens.
     key_positions: torch.Tensor | None = None
     scores: PromptScores | None = None
+    # Set when the blocks hold only one shard of the sequence's keys (KV parallelism), which may
+    # lack the chunk's own: each query's position [num_tokens] (then key_positions is set too).
+    query_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,20 +69,23 @@ class AttentionMetadata:
     decode_scores: DecodeScores | None = None
 
 
+# An attention's output [T, H, D] and, from Loom's kernels, each row's log-sum-exp [T, H] (None
+# from the reference paths).
+Attended = tuple[torch.Tensor, torch.Tensor | None]
+
+
 def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, backend: str,
-                           scores: DecodeScores | None = None) -> torch.Tensor:
+                           scores: DecodeScores | None = None) -> Attended:
     """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
     if backend == "cpp" and scores is None:
-        out, _lse = torch.ops.loom.paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
-                                                          block_tables, context_lens, scale)
-        return out
+        return torch.ops.loom.paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+                                                     block_tables, context_lens, scale)
     if backend == "cpp":
-        out, _lse = torch.ops.loom.paged_decode_attention_scored(
+        return torch.ops.loom.paged_decode_attention_scored(
             q.contiguous(), cache.keys[layer], cache.values[layer], block_tables, context_lens, scale,
             scores.out[layer], scores.temps, scores.row_keys, layer, scores.key_positions[layer])
-        return out
-    return _decode_reference(q, cache, layer, block_tables, context_lens, scale, scores)
+    return _decode_reference(q, cache, layer, block_tables, context_lens, scale, scores), None
 
 
 def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables: torch.Tensor,
@@ -124,14 +131,14 @@ def prompt_row_scores(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillS
 
 
 def prefill_attention(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillSegment, scale: float,
-                      backend: str) -> torch.Tensor:
+                      backend: str) -> Attended:
     """One chunk's causal attention over its sequence's blocks (the chunk's own k/v included).
     q [n, H, D] -> [n, H, D]."""
     if backend == "cpp":
-        out, _lse = torch.ops.loom.paged_prefill_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
-                                                           seg.block_ids, seg.context_len, seg.key_positions, scale)
-        return out
-    return _prefill_reference(q, cache, layer, seg, scale)
+        return torch.ops.loom.paged_prefill_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
+                                                      seg.block_ids, seg.context_len, seg.key_positions, scale,
+                                                      seg.query_positions)
+    return _prefill_reference(q, cache, layer, seg, scale), None
 
 
 def _prefill_reference(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillSegment,
@@ -148,17 +155,39 @@ def _prefill_reference(q: torch.Tensor, cache: KVCache, layer: int, seg: Prefill
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-                    meta: AttentionMetadata, scale: float, backend: str) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the packed step -> attention output [T, H, D]."""
+                    meta: AttentionMetadata, scale: float, backend: str) -> Attended:
+    """q [T, H, D], k/v [T, KVH, D] for the packed step -> attention output [T, H, D], and its
+    log-sum-exp [T, H] from the C++ backend."""
     cache.write(layer, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if backend == "cpp" else None
     nd = meta.num_decode_tokens
+    parts = []
     if nd:
-        out[:nd] = paged_decode_attention(q[:nd], cache, layer, meta.decode_block_tables,
-                                          meta.decode_context_lens, scale, backend, meta.decode_scores)
+        parts.append((slice(0, nd), paged_decode_attention(q[:nd], cache, layer, meta.decode_block_tables,
+                                                           meta.decode_context_lens, scale, backend,
+                                                           meta.decode_scores)))
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_tokens)
-        out[rows] = prefill_attention(q[rows], cache, layer, seg, scale, backend)
+        parts.append((rows, prefill_attention(q[rows], cache, layer, seg, scale, backend)))
         if seg.scores is not None:
             seg.scores.out[layer] += prompt_row_scores(q[rows], cache, layer, seg, scale, backend)
-    return out
+    for rows, (part, part_lse) in parts:
+        out[rows] = part
+        if lse is not None:
+            lse[rows] = part_lse
+    return out, lse
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention over the paged pool: the step's packed q [T, H, D] and new k/v
+    [T, KVH, D] in, [T, H, D] out. A module of its own, so a partitioned run can swap in its
+    variant (loom/parallel/helix.py)."""
+
+    def __init__(self, layer_idx: int, scale: float, backend: str = "cpp") -> None:
+        super().__init__()
+        self.layer_idx, self.scale, self.backend = layer_idx, scale, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, self.backend)[0]

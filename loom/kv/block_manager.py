@@ -10,6 +10,11 @@ Prefix caching: a full block is identified by a hash chained over its parent's h
 own tokens, so equal hashes mean equal prefixes. Freed blocks that hold a hash stay reusable,
 in LRU order, until a new allocation needs the space.
 
+With KV parallelism (Helix) the pool is split over `num_shards` ranks, block b living on rank
+b % num_shards, and a sequence's blocks go round-robin over them: its block j comes from shard
+j % num_shards, so each rank holds every num_shards-th block of tokens. Every allocation,
+copy-on-write copy and prefix hit keeps that rule (a block's hash fixes its index).
+
 A second tier (swap) holds the blocks of sequences preempted by swapping: their slot maps keep
 their tokens while the blocks sit in swap slots.
 
@@ -72,14 +77,16 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
-        if num_blocks < 1:
+                 num_swap_blocks: int = 0, num_shards: int = 1) -> None:
+        if num_blocks < num_shards:
             raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); raise kv_cache_memory")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_shards = num_shards
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_ids: deque[int] = deque(range(num_blocks))        # unreferenced, no hash
-        self._evictable: OrderedDict[int, None] = OrderedDict()       # unreferenced, hashed; LRU first
+        # Per shard: unreferenced blocks without a hash, and unreferenced hashed ones (LRU first).
+        self._free_ids: list[deque[int]] = [deque(range(s, num_blocks, num_shards)) for s in range(num_shards)]
+        self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_shards)]
         self._cached: dict[bytes, int] = {}                           # hash -> block id
         self._pending_copies: list[tuple[int, int]] = []              # (src, dst) copy-on-write
         self._pending_moves: list[tuple[int, int]] = []               # (src, dst) slots, after drops
@@ -99,7 +106,20 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: never-used ones plus cached ones it may evict."""
-        return len(self._free_ids) + len(self._evictable)
+        return sum(self._num_free(s) for s in range(self.num_shards))
+
+    def _num_free(self, shard: int) -> int:
+        return len(self._free_ids[shard]) + len(self._evictable[shard])
+
+    def _fits(self, indices: Iterable[int], taken: Iterable[int] = ()) -> bool:
+        """Whether fresh blocks for the sequence-block `indices` can be had, once the free blocks
+        `taken` (prefix hits about to be taken) are gone."""
+        needed = [0] * self.num_shards
+        for i in indices:
+            needed[i % self.num_shards] += 1
+        for block_id in taken:
+            needed[block_id % self.num_shards] += 1
+        return all(n <= self._num_free(s) for s, n in enumerate(needed))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -109,9 +129,11 @@ class BlockManager:
     def num_free_swap_blocks(self) -> int:
         return len(self._free_swap_ids)
 
-    def _blocks_needed(self, slots: SlotMap, num_new_tokens: int) -> int:
+    def _blocks_needed(self, slots: SlotMap, num_new_tokens: int) -> list[int]:
+        """The sequence-block indices that need a fresh block to take `num_new_tokens` more."""
         total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
-        return max(0, total - len(slots.block_ids)) + int(self._needs_copy_on_write(slots, num_new_tokens))
+        copy = [slots.num_tokens // self.block_size] if self._needs_copy_on_write(slots, num_new_tokens) else []
+        return copy + list(range(len(slots.block_ids), total))
 
     def _needs_copy_on_write(self, slots: SlotMap, num_new_tokens: int) -> bool:
         partial = slots.num_tokens % self.block_size
@@ -168,12 +190,11 @@ class BlockManager:
         admission, as already stored tokens). Returns False, changing nothing, if the pool
         cannot hold them. Calling it again for the same tokens changes nothing."""
         hits = prefix_hits or []
-        hit_evictable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         if hits:  # the state after taking the hits, to count what else is needed
-            needed = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size) - len(hits)
+            needed = range(len(hits), -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size))
         else:
             needed = self._blocks_needed(slots, num_new_tokens)
-        if needed > self.num_free_blocks - hit_evictable:
+        if not self._fits(needed, taken=[b for b in hits if self.blocks[b].ref_count == 0]):
             return False
         for block_id in hits:
             self._take(block_id)
@@ -184,13 +205,13 @@ class BlockManager:
         if self._needs_copy_on_write(slots, num_new_tokens):
             i = slots.num_tokens // self.block_size
             shared = self.blocks[slots.block_ids[i]]
-            fresh = self._take_free()
+            fresh = self._take_free(i)
             self._pending_copies.append((shared.block_id, fresh))
             shared.ref_count -= 1
             slots.block_ids[i] = fresh
         total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
         while len(slots.block_ids) < total:
-            slots.block_ids.append(self._take_free())
+            slots.block_ids.append(self._take_free(len(slots.block_ids)))
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -259,17 +280,19 @@ class BlockManager:
         slot's source slot, or None, changing nothing, when a needed copy finds no free block."""
         bs = self.block_size
         to_copy = [b for b in sorted(written) if self.blocks[slots.block_ids[b]].ref_count > 1]
-        if len(to_copy) > self.num_free_blocks:
+        if not self._fits(to_copy):
             return None
-        cached = [b for b in sorted(written) if b not in to_copy and self.blocks[slots.block_ids[b]].hash is not None]
-        spare = self.num_free_blocks - len(to_copy)
-        to_copy += cached[:spare]
-        for b in cached[spare:]:
+        for b in sorted(written):
             block = self.blocks[slots.block_ids[b]]
-            del self._cached[block.hash]
-            block.hash = None
+            if b in to_copy or block.hash is None:
+                continue
+            if self._fits(to_copy + [b]):
+                to_copy.append(b)
+            else:
+                del self._cached[block.hash]
+                block.hash = None
         source = {}  # slot -> the slot whose content it takes
-        copied = [(b, slots.block_ids[b], self._take_free()) for b in to_copy]
+        copied = [(b, slots.block_ids[b], self._take_free(b)) for b in to_copy]
         for b, old, fresh in copied:
             # Released only now, so no copy of this drop lands in it; the moves read it before any step writes.
             self._release(old)
@@ -339,12 +362,12 @@ class BlockManager:
 
     def can_swap_in(self, slots: SlotMap, num_new_tokens: int) -> bool:
         total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
-        return max(total, len(slots.swap_ids)) <= self.num_free_blocks
+        return self._fits(range(max(total, len(slots.swap_ids))))
 
     def swap_in(self, slots: SlotMap) -> list[tuple[int, int]]:
         """Brings the blocks back into fresh pool blocks; returns the (swap slot, pool block)
         copies to make before the step runs."""
-        pairs = [(slot, self._take_free()) for slot in slots.swap_ids]
+        pairs = [(slot, self._take_free(i)) for i, slot in enumerate(slots.swap_ids)]
         self._free_swap_ids.extend(slots.swap_ids)
         slots.swap_ids = []
         slots.block_ids = [block for _, block in pairs]
@@ -355,21 +378,23 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             if block.hash is not None:
-                self._evictable[block_id] = None
+                self._evictable[block_id % self.num_shards][block_id] = None
             else:
-                self._free_ids.append(block_id)
+                self._free_ids[block_id % self.num_shards].append(block_id)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self._evictable[block_id]
+            del self._evictable[block_id % self.num_shards][block_id]
         block.ref_count += 1
 
-    def _take_free(self) -> int:
-        if self._free_ids:
-            block_id = self._free_ids.popleft()
+    def _take_free(self, index: int) -> int:
+        """A free block for the sequence's block `index` (from its shard)."""
+        shard = index % self.num_shards
+        if self._free_ids[shard]:
+            block_id = self._free_ids[shard].popleft()
         else:  # evict the least recently freed cached block
-            block_id, _ = self._evictable.popitem(last=False)
+            block_id, _ = self._evictable[shard].popitem(last=False)
             block = self.blocks[block_id]
             del self._cached[block.hash]
             block.hash = None

@@ -17,13 +17,14 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype.itemsize
 
 
-def kv_cache_blocks(config: EngineConfig, num_kv_heads: int | None = None) -> tuple[int, int]:
+def kv_cache_blocks(config: EngineConfig, num_kv_heads: int | None = None, kv_shards: int = 1) -> tuple[int, int]:
     """(pool blocks, swap-tier blocks) for the engine's memory budgets, for a process storing
-    `num_kv_heads` of every layer's KV heads (default: all). The pool never holds more than
-    max_num_seqs full-length sequences could use, and at least one of them."""
+    `num_kv_heads` of every layer's KV heads (default: all) and every `kv_shards`-th block of
+    each sequence. The pool never holds more than max_num_seqs full-length sequences could use,
+    and at least one of them."""
     m, bs, max_len = config.model_config, config.cache.block_size, config.max_model_len
     per_block = kv_bytes_per_block(m.num_layers, num_kv_heads or m.num_kv_heads, m.head_dim, bs, config.dtype)
-    blocks_per_seq = -(-max_len // bs)
+    blocks_per_seq = -(-max_len // (bs * kv_shards))
     budget = config.cache.budget_bytes()
     num_blocks = min(budget // per_block, config.scheduler.max_num_seqs * blocks_per_seq)
     if num_blocks < blocks_per_seq:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kv.attention import AttentionMetadata, paged_attention
+from loom.kv.attention import AttentionMetadata, PagedAttention
 from loom.kv.cache import KVCache
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.config import ModelConfig
@@ -30,19 +30,17 @@ class PartialSum(nn.Module):
 class GPTNeoXAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
         self.query_key_value = nn.Linear(cfg.hidden_size, 3 * cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.dense = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=True)
         self.rotary = rotary
-        self.attention_backend = "cpp"
+        self.attn = PagedAttention(layer_idx, cfg.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.query_key_value(x).view(-1, self.num_heads, 3 * self.head_dim)
         q, k, v = (t.contiguous() for t in qkv.split(self.head_dim, dim=-1))
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, self.attention_backend)
+        out = self.attn(q, k, v, cache, meta)
         return self.dense(out.flatten(1))
 
 
@@ -96,7 +94,7 @@ class GPTNeoXForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: str) -> None:
         for layer in self.layers:
-            layer.attention.attention_backend = backend
+            layer.attention.attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kv.attention import AttentionMetadata, paged_attention
+from loom.kv.attention import AttentionMetadata, PagedAttention
 from loom.kv.cache import KVCache
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding
@@ -20,14 +20,12 @@ from loom.models.config import ModelConfig
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        self.attention_backend = "cpp"
+        self.attn = PagedAttention(layer_idx, cfg.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -35,7 +33,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, self.attention_backend)
+        out = self.attn(q, k, v, cache, meta)
         return self.o_proj(out.flatten(1))
 
 
@@ -98,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: str) -> None:
         for layer in self.layers:
-            layer.self_attn.attention_backend = backend
+            layer.self_attn.attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

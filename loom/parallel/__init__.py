@@ -7,5 +7,7 @@ shard of weights and KV.
                       all-reduce group of ranks on one host
   tensor_parallel.py  Megatron 1D weight-stationary sharding of a loaded model (weight slicing
                       plus all-reduce hooks; vocab-parallel embedding and LM head)
+  helix.py            Helix KV parallelism: each sequence's KV split by blocks over KVP ranks,
+                      partial attention, one all-to-all and the exact log-sum-exp merge
   step.py             broadcasting a step's inputs from rank 0; the other ranks' step loop
 """

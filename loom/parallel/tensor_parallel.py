@@ -10,6 +10,10 @@ Per Llama decoder layer, rank r of T keeps:
   down_proj     the matching I/T input columns; the MLP's output is all-reduced
 GPT-NeoX is cut the same way; its parallel block (attention and FFN on the same input)
 all-reduces once per layer, the sum of both partial outputs, as the PaLM paper describes.
+With Helix KV parallelism (helix.py) the ranks form a TPA x KVP grid: qkv_proj keeps the
+TPA share of the heads (the same on the KVP ranks of a group), the attention's all-to-all leaves
+rank r the heads [r H/T, (r+1) H/T) with T all the ranks, and o_proj keeps their columns; the
+FFN and vocabulary are split over all T ranks as above.
 Row-parallel biases stay on rank 0 only. Embedding and LM head are split by vocabulary (padded
 to a multiple of T): each rank looks up or scores its share; the lookup is all-reduced, the
 logits gathered on rank 0.
@@ -25,10 +29,12 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
+from loom.kv.attention import PagedAttention
 from loom.models.config import ModelConfig
 from loom.models.gpt_neox import GPTNeoXForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
+from loom.parallel.helix import HelixAttention, helix_attention_bytes
 from loom.parallel.state import ParallelState
 
 
@@ -154,20 +160,34 @@ def _vocab_shard(weight: torch.Tensor, state: ParallelState) -> tuple[torch.Tens
     return F.pad(shard, (0, 0, 0, per_rank - shard.shape[0])).contiguous(), start
 
 
+def _attention_shares(cfg: ModelConfig, state: ParallelState) -> tuple[int, int, slice]:
+    """(query heads this rank's QKV projection computes: the TPA share, the first of them, the
+    input columns of its output projection: the heads the attention leaves it). Without KV
+    parallelism both are the rank's H/T heads; with it, the TPA share is split again over the
+    KVP ranks by Helix's all-to-all."""
+    hd, heads, out_heads = cfg.head_dim, cfg.num_heads // state.tpa_size, cfg.num_heads // state.tp_size
+    return heads, state.tpa_rank * heads, slice(state.rank * out_heads * hd, (state.rank + 1) * out_heads * hd)
+
+
+def _kv_parallel(attention: PagedAttention, state: ParallelState) -> nn.Module:
+    return HelixAttention(attention, state) if state.kvp_size > 1 else attention
+
+
 def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
     """The Llama family's shard, in place: each attention and each FFN all-reduces its output."""
     cfg, tp, r = model.config, state.tp_size, state.tp_rank
-    hd, heads, ffn = cfg.head_dim, cfg.num_heads // tp, cfg.intermediate_size // tp
-    kv_first, kv_count = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, tp, r)
+    hd, ffn = cfg.head_dim, cfg.intermediate_size // tp
+    heads, first_head, o_columns = _attention_shares(cfg, state)
+    kv_first, kv_count = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tpa_size, state.tpa_rank)
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q_rows = torch.arange(r * heads * hd, (r + 1) * heads * hd)
+            q_rows = torch.arange(first_head * hd, (first_head + heads) * hd)
             kv_rows = torch.arange(kv_first * hd, (kv_first + kv_count) * hd)
             attn.qkv_proj = keep_rows(attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows,
                                                                 attn.q_size + attn.kv_size + kv_rows]))
-            attn.o_proj = keep_columns(attn.o_proj, slice(r * heads * hd, (r + 1) * heads * hd),
-                                       f"layers.{i}.self_attn.o_proj", state)
+            attn.o_proj = keep_columns(attn.o_proj, o_columns, f"layers.{i}.self_attn.o_proj", state)
+            attn.attn = _kv_parallel(attn.attn, state)
             attn.num_heads, attn.num_kv_heads = heads, kv_count
             attn.q_size, attn.kv_size = heads * hd, kv_count * hd
             attn.register_forward_hook(_all_reduce_output(state))
@@ -201,14 +221,15 @@ def shard_gpt_neox(model: GPTNeoXForCausalLM, state: ParallelState) -> None:
     together, so a rank's heads are one run of rows. A parallel block all-reduces once, the sum
     of its attention's and FFN's partial outputs; a serial block after each."""
     cfg, tp, r = model.config, state.tp_size, state.tp_rank
-    hd, heads, ffn = cfg.head_dim, cfg.num_heads // tp, cfg.intermediate_size // tp
+    hd, ffn = cfg.head_dim, cfg.intermediate_size // tp
+    heads, first_head, dense_columns = _attention_shares(cfg, state)
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.attention, layer.mlp
-            attn.query_key_value = keep_rows(attn.query_key_value, torch.arange(r * heads * 3 * hd,
-                                                                                (r + 1) * heads * 3 * hd))
-            attn.dense = keep_columns(attn.dense, slice(r * heads * hd, (r + 1) * heads * hd),
-                                      f"layers.{i}.attention.dense", state)
+            attn.query_key_value = keep_rows(attn.query_key_value, torch.arange(first_head * 3 * hd,
+                                                                                (first_head + heads) * 3 * hd))
+            attn.dense = keep_columns(attn.dense, dense_columns, f"layers.{i}.attention.dense", state)
+            attn.attn = _kv_parallel(attn.attn, state)
             attn.num_heads = heads
             mlp.dense_h_to_4h = keep_rows(mlp.dense_h_to_4h, torch.arange(r * ffn, (r + 1) * ffn))
             mlp.dense_4h_to_h = keep_columns(mlp.dense_4h_to_h, slice(r * ffn, (r + 1) * ffn),
@@ -220,7 +241,7 @@ def shard_gpt_neox(model: GPTNeoXForCausalLM, state: ParallelState) -> None:
 
 def shard_model(model: LlamaForCausalLM | GPTNeoXForCausalLM, state: ParallelState) -> None:
     """Cuts `model` (loaded whole; nn.Linear or weight-only quantized layers) down to rank
-    `state.tp_rank`'s shard, in place."""
+    `state.rank`'s shard, in place."""
     if isinstance(model, GPTNeoXForCausalLM):
         shard_gpt_neox(model, state)
     else:
@@ -231,10 +252,14 @@ def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState
                       logit_rows: list[int]) -> list[tuple[str, int, int]]:
     """(kind, calls, bytes each rank puts in) of one forward over `num_tokens` tokens whose
     logits are computed in calls of `logit_rows` rows each: the embedding's all-reduce, one
-    after each attention and each FFN (one per layer for a parallel block), and the LM head's
-    gathers of fp32 logits."""
+    after each attention and each FFN (one per layer for a parallel block), Helix's all-to-all
+    in each attention, and the LM head's gathers of fp32 logits."""
     activations = num_tokens * cfg.hidden_size * dtype.itemsize
     vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
     all_reduces = (1 if cfg.parallel_residual else 2) * cfg.num_layers + 1
-    return [("all_reduce", all_reduces, all_reduces * activations),
-            ("gather", len(logit_rows), sum(logit_rows) * vocab_per_rank * 4)]
+    counts = [("all_reduce", all_reduces, all_reduces * activations),
+              ("gather", len(logit_rows), sum(logit_rows) * vocab_per_rank * 4)]
+    if state.kvp_size > 1:
+        counts.append(("all_to_all", cfg.num_layers,
+                       cfg.num_layers * helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, state)))
+    return counts
