@@ -120,12 +120,18 @@ class ParallelConfig:
             raise ValueError(f"all_reduce: {self.all_reduce!r}, choose from {ALL_REDUCES}")
         if self.attention_sharding not in ATTENTION_SHARDINGS:
             raise ValueError(f"attention_sharding: {self.attention_sharding!r}, choose from {ATTENTION_SHARDINGS}")
-        if self.attention_sharding != "heads":
-            raise ValueError("attention_sharding: only 'heads' is available yet")
+        if self.attention_sharding == "batch" and self.kv_parallel_size > 1:
+            raise ValueError("attention_sharding: 'batch' shards attention over the tensor-parallel ranks; it does "
+                             "not combine with kv_parallel_size > 1")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.kv_parallel_size
+
+    @property
+    def shards_kv(self) -> bool:
+        """Whether ranks hold different sequences' (or tokens') KV, not only different heads."""
+        return self.world_size > 1 and (self.kv_parallel_size > 1 or self.attention_sharding == "batch")
 
     def check_model(self, m: ModelConfig) -> None:
         """Fails before any weight loads when the model cannot be split this way. Attention heads
@@ -179,14 +185,13 @@ class EngineConfig:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)
         self.parallel.check_model(self.model_config)
-        if self.parallel.kv_parallel_size > 1:
-            if self.attention_backend != "cpp":
-                raise ValueError("kv_parallel_size: KV parallelism needs attention_backend 'cpp' (its partial "
-                                 "attention's log-sum-exp)")
-            if self.scheduler.preemption_mode == "swap":
-                raise ValueError("kv_parallel_size: preemption by swap does not run with KV parallelism yet; "
-                                 "use preemption_mode='recompute'")
-        check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size, self.parallel.kv_parallel_size)
+        if self.parallel.kv_parallel_size > 1 and self.attention_backend != "cpp":
+            raise ValueError("kv_parallel_size: KV parallelism needs attention_backend 'cpp' (its partial "
+                             "attention's log-sum-exp)")
+        if self.parallel.shards_kv and self.scheduler.preemption_mode == "swap":
+            raise ValueError("preemption_mode: swap does not run with the KV cache split over ranks "
+                             "(kv_parallel_size > 1 or attention_sharding='batch') yet; use 'recompute'")
+        check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size, self.parallel.shards_kv)
         if self.quantization is not None and self.model_config.quantization is not None:
             raise ValueError(f"quantization: {self.model} is already quantized "
                              f"({self.model_config.quantization['method']}); load it without quantization=")

@@ -56,24 +56,26 @@ def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_va
     return json.loads(out.read_text())
 
 
-def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, **options) -> dict:
+def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, blocks: int = 24,
+             **options) -> dict:
     """One process against tp x kvp ranks (2 tensor-parallel ones by default), whose pools hold
     as many blocks in all as the one process's (so both schedule alike, preempting): the same
     tokens. With `near_tie`, a generation may part from one process's where that one's two
-    best tokens were within `near_tie` nats."""
+    best tokens were within `near_tie` nats. `blocks`: a sequence of max_model_len 256 needs 16,
+    the batch more (preemption)."""
     m = ModelConfig.from_dir(model_dir)
-    blocks = 24  # a sequence of max_model_len 256 needs 16; the batch needs more: preemption
+    by_batch = options.get("attention_sharding") == "batch"
 
     def pool_bytes(kv_heads: int, shards: int = 1) -> int:
         return blocks // shards * kv_bytes_per_block(m.num_layers, kv_heads, m.head_dim, 16, torch.float32)
 
-    common = dict(model=str(model_dir), max_model_len=256, max_num_batched_tokens=32, num_threads=1, **options)
+    common = dict(model=str(model_dir), max_model_len=256, max_num_batched_tokens=32, num_threads=1) | options
     single = generate({**common, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(), MAX_TOKENS)
-    rank_heads = local_kv_heads(m.num_heads, m.num_kv_heads, tp, 0)[1]
+    rank_heads = m.num_kv_heads if by_batch else local_kv_heads(m.num_heads, m.num_kv_heads, tp, 0)[1]
     port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
     parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp,
-                                    "kv_cache_memory": pool_bytes(rank_heads, kvp)},
+                                    "kv_cache_memory": pool_bytes(rank_heads, tp if by_batch else kvp)},
                          [["--nproc-per-node", str(tp * kvp), "--master-addr", "127.0.0.1", "--master-port", port]],
                          **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
     if eager:  # the engine's tally is what rank 0 really issued
@@ -120,6 +122,23 @@ def test_two_ranks_gpt_neox(hf_models, tmp_path, name, per_layer, kvp):
     assert calls["all_reduce"] == (per_layer * layers + 1) * calls["broadcast"] // 2
 
 
+# A rank holds whole sequences: sequences of at most 128 tokens (8 blocks) let 12 blocks a rank preempt.
+BY_BATCH = dict(attention_sharding="batch", max_model_len=128)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
+def test_attention_sharded_by_batch(hf_models, tmp_path, name):
+    """Each of 2 ranks keeps every KV head of its own sequences (the MQA model's one KV head is
+    not replicated); two all-to-alls per layer."""
+    model_dir = hf_models(name)[0]
+    calls = _compare(tmp_path, model_dir, **BY_BATCH)["stats"]["collective_calls"]
+    assert calls["all_to_all"] == 2 * ModelConfig.from_dir(model_dir).num_layers * calls["broadcast"] // 2
+
+
+def test_attention_sharded_by_batch_compiled(gqa, tmp_path):
+    _compare(tmp_path, gqa[0], **BY_BATCH, enforce_eager=False)
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
 def test_helix_two_kv_ranks(hf_models, tmp_path, name):
     """Helix with KVP = 2, TPA = 1: each rank holds every other block of each sequence; one
@@ -143,8 +162,9 @@ def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
     _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
 
 
-@pytest.mark.parametrize("tp,kvp", [(2, 1), (1, 2)], ids=["tensor", "helix"])
-def test_two_ranks_int8(tmp_path, tp, kvp):
+@pytest.mark.parametrize("tp,kvp,options", [(2, 1, {}), (1, 2, {}), (2, 1, BY_BATCH)],
+                         ids=["tensor", "helix", "batch"])
+def test_two_ranks_int8(tmp_path, tp, kvp, options):
     """int8 layers quantize activations in groups of 64 inputs. With each rank's share of o_proj's
     and down_proj's inputs a multiple of 64 (8 heads of 16 over 2 ranks; 256 / 2) the ranks round
     the groups one process rounds, but the all-reduce sums in another order (and Helix merges
@@ -153,7 +173,7 @@ def test_two_ranks_int8(tmp_path, tp, kvp):
     tie, and only there."""
     model_dir = tmp_path / "gqa128"
     build_hf_model(model_dir, "llama_gqa", hidden_size=128)
-    _compare(tmp_path, model_dir, near_tie=0.05, tp=tp, kvp=kvp, quantization="int8")
+    _compare(tmp_path, model_dir, near_tie=0.05, tp=tp, kvp=kvp, quantization="int8", **options)
 
 
 def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):
@@ -286,15 +306,25 @@ def test_helix_sizes_that_do_not_divide_fail_first():
         ParallelConfig(tensor_parallel_size=2, kv_parallel_size=3).check_model(_model(12, 4, 130))
 
 
-def test_helix_refuses_what_it_cannot_run_yet(gqa):
-    """Before any process group or weight: drops move tokens across the KV shards' blocks, and
-    swapped blocks would need a shard of their own."""
-    with pytest.raises(ValueError, match="kv_policy: window .* kv_parallel_size > 1"):
-        LLM(str(gqa[0]), kv_parallel_size=2, kv_policy="window", kv_budget=0.5)
-    with pytest.raises(ValueError, match="preemption_mode='recompute'"):
-        LLM(str(gqa[0]), kv_parallel_size=2, preemption_mode="swap")
+@pytest.mark.parametrize("layout", [dict(kv_parallel_size=2), dict(tensor_parallel_size=2, attention_sharding="batch")],
+                         ids=["helix", "batch"])
+def test_kv_split_over_ranks_refuses_what_it_cannot_run_yet(gqa, layout):
+    """Before any process group or weight: drops move tokens between blocks that live on
+    different ranks, and swapped blocks would need a shard of their own."""
+    with pytest.raises(ValueError, match="kv_policy: window drops tokens, .* KV cache split over ranks"):
+        LLM(str(gqa[0]), kv_policy="window", kv_budget=0.5, **layout)
+    with pytest.raises(ValueError, match="preemption_mode: swap does not run"):
+        LLM(str(gqa[0]), preemption_mode="swap", **layout)
+
+
+def test_helix_needs_the_kernels_log_sum_exp(gqa):
     with pytest.raises(ValueError, match="attention_backend 'cpp'"):
         LLM(str(gqa[0]), kv_parallel_size=2, attention_backend="torch")
+
+
+def test_batch_sharding_does_not_combine_with_helix():
+    with pytest.raises(ValueError, match="attention_sharding: 'batch' .* kv_parallel_size > 1"):
+        ParallelConfig(tensor_parallel_size=2, kv_parallel_size=2, attention_sharding="batch")
 
 
 def test_bad_parallel_options_name_the_field():

@@ -36,7 +36,7 @@ def count_collectives() -> dict:
     (The shared-memory group's set-up, before any step, uses none of these.)"""
     import torch.distributed as dist
 
-    from loom.parallel import helix, tensor_parallel
+    from loom.parallel import comm
 
     counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0], "all_to_all": [0, 0]}
 
@@ -47,10 +47,10 @@ def count_collectives() -> dict:
             return f(tensor, *args, **kwargs)
         return call
 
-    tensor_parallel.all_reduce = counted("all_reduce", tensor_parallel.all_reduce)  # shared memory or gloo
-    tensor_parallel.gather_to_driver = counted("gather", tensor_parallel.gather_to_driver)
+    comm.all_reduce = counted("all_reduce", comm.all_reduce)  # shared memory or gloo
+    comm.gather_to_driver = counted("gather", comm.gather_to_driver)
+    comm.all_to_all = counted("all_to_all", comm.all_to_all)
     dist.broadcast = counted("broadcast", dist.broadcast)
-    helix.all_to_all = counted("all_to_all", helix.all_to_all)
     return counts
 
 

@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is split over (start one process per rank with torchrun)")
     p.add_argument("--kv-parallel-size", type=int, default=1,
                    help="Helix: ranks each sequence's KV cache is split over, times the tensor-parallel ranks")
+    p.add_argument("--attention-sharding", default="heads", choices=["heads", "batch"],
+                   help="batch: each tensor-parallel rank keeps its own sequences' KV cache, every head of it")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -57,7 +59,8 @@ def _build(args: argparse.Namespace):
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile,
-              tensor_parallel_size=args.tensor_parallel_size, kv_parallel_size=args.kv_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_parallel_size=args.kv_parallel_size,
+              attention_sharding=args.attention_sharding)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)

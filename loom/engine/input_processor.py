@@ -69,8 +69,7 @@ class InputProcessor:
                                   cache.kv_recent_ratio if params.kv_recent_ratio is None else params.kv_recent_ratio,
                                   params.max_tokens)
         if policy is not None:
-            check_kv_policy_ranks(policy.name, self.config.parallel.world_size,
-                                  self.config.parallel.kv_parallel_size)
+            check_kv_policy_ranks(policy.name, self.config.parallel.world_size, self.config.parallel.shards_kv)
         return policy
 
     def request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:

@@ -35,7 +35,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, stop_checker)
         block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                      config.cache.enable_prefix_caching, self.runner.num_swap_blocks,
-                                     num_shards=self.runner.parallel.kvp_size)
+                                     num_shards=self.runner.kv_shards, placement=self.runner.kv_placement)
         m = config.model_config
         self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker, (m.num_layers, m.num_kv_heads))
         self._request_counter = itertools.count()

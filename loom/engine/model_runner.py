@@ -28,6 +28,7 @@ from loom.kv.swap import SwapSpace
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
+from loom.parallel.batch_attention import rows_by_rank, shard_batch_metadata
 from loom.parallel.helix import shard_block_pairs, shard_metadata
 from loom.parallel.state import ParallelState, init_parallel
 from loom.parallel.step import CollectiveStats, LockStepError, broadcast_step
@@ -81,13 +82,17 @@ class ModelRunner:
         self.collectives = CollectiveStats()  # what rank 0's steps communicated (several ranks)
         self.dtype = config.dtype
         self.model = build_model(config, self.parallel)
-        m, kvp = config.model_config, self.parallel.kvp_size
-        num_kv_heads = local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tpa_size, self.parallel.tpa_rank)[1]
-        num_blocks, num_swap_blocks = self._agreed(*kv_cache_blocks(config, num_kv_heads, kvp))
-        self.num_blocks = num_blocks * kvp  # the scheduler's pool: every KVP rank's blocks
-        # With KV parallelism, one spare block more takes the writes of tokens other ranks hold.
-        self.cache = KVCache(m.num_layers, num_blocks + (kvp > 1), num_kv_heads, m.head_dim, config.cache.block_size,
-                             config.dtype, self.device, move_kernel=config.attention_backend == "cpp")
+        m, (shards, self.kv_placement) = config.model_config, self.parallel.kv_shards
+        num_kv_heads = m.num_kv_heads if self.parallel.batch_sharded else \
+            local_kv_heads(m.num_heads, m.num_kv_heads, self.parallel.tpa_size, self.parallel.tpa_rank)[1]
+        blocks_shards = shards if self.kv_placement == "block" else 1  # how many ranks hold one sequence
+        num_blocks, num_swap_blocks = self._agreed(*kv_cache_blocks(config, num_kv_heads, blocks_shards))
+        self.kv_shards = shards
+        self.num_blocks = num_blocks * shards  # the scheduler's pool: every rank's blocks
+        # With the pool split over ranks, one spare block more takes the writes of tokens other ranks hold.
+        self.cache = KVCache(m.num_layers, num_blocks + (shards > 1), num_kv_heads, m.head_dim,
+                             config.cache.block_size, config.dtype, self.device,
+                             move_kernel=config.attention_backend == "cpp")
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
         self.seed = config.seed
@@ -132,7 +137,19 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),
                                      decode_context_lens=torch.ones(batch, dtype=torch.int32, device=self.device))
-            self._forward(ids, positions, meta, decode_only=True)
+            self._forward(ids, positions, self._local(meta, [], decode_only=True)[0], decode_only=True)
+
+    def _local(self, meta: AttentionMetadata, copies: list[tuple[int, int]],
+               decode_only: bool) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
+        """A step's metadata and block copies as this rank sees them: with the pool split over
+        ranks, its own blocks and rows only (moves and swaps are refused then)."""
+        if self.kv_shards == 1:
+            return meta, copies
+        rank, spare, bs = self.parallel.rank % self.kv_shards, self.cache.num_blocks - 1, self.cache.block_size
+        copies = shard_block_pairs(copies, rank, self.kv_shards)
+        if self.kv_placement == "block":
+            return shard_metadata(meta, rank, self.kv_shards, bs, spare), copies
+        return shard_batch_metadata(meta, rank, self.kv_shards, bs, spare, decode_only), copies
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  decode_only: bool) -> torch.Tensor:
@@ -240,8 +257,11 @@ class ModelRunner:
     def _count_collectives(self, inputs: StepInputs, broadcast_bytes: int) -> None:
         self.collectives.add("broadcast", 2, 8 + broadcast_bytes)  # the size, then the pickled inputs
         logit_rows = ([len(inputs.sample_rows)] if inputs.sample_rows else []) + [n for _, n in inputs.prompt_logit_rows]
+        rows_per_rank = 0
+        if self.parallel.batch_sharded:
+            rows_per_rank = max(1, max(map(len, rows_by_rank(inputs.meta, self.kv_shards))))
         for kind, calls, nbytes in model_collectives(self.model.config, self.dtype, self.parallel,
-                                                     inputs.input_ids.numel(), logit_rows):
+                                                     inputs.input_ids.numel(), logit_rows, rows_per_rank):
             self.collectives.add(kind, calls, nbytes)
 
     def _run(self, inputs: StepInputs) -> list[torch.Tensor]:
@@ -255,12 +275,10 @@ class ModelRunner:
             self.swap_space.swap_out(inputs.swap_out)
         if inputs.swap_in:
             self.swap_space.swap_in(inputs.swap_in)
-        meta, copies = inputs.meta, inputs.copies
-        if (kvp := self.parallel.kvp_size) > 1:  # this rank's blocks only (no moves or swaps: refused)
-            copies = shard_block_pairs(copies, self.parallel.kvp_rank, kvp)
-            meta = shard_metadata(meta, self.parallel.kvp_rank, kvp, self.cache.block_size, self.cache.num_blocks - 1)
+        decode_only = not inputs.meta.prefills
+        meta, copies = self._local(inputs.meta, inputs.copies, decode_only)
         self.cache.copy_blocks(copies)
-        hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only=not meta.prefills)
+        hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only)
         logits = []
         if inputs.sample_rows:
             sampled = hidden  # decode-only steps sample every row: no gather

@@ -60,6 +60,14 @@ class PrefillSegment:
 
 
 @dataclass
+class RowExchange:
+    """When each rank attends for its own sequences only (attention sharded by batch): which of
+    the step's rows go to each rank, and where each row's output comes back from."""
+    send_index: torch.Tensor  # [ranks, rows per rank] int64: the step's rows for each rank (padded)
+    back_index: torch.Tensor  # [T] int64: row t's place in the returned [ranks * rows per rank]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor            # [T] int64, a slot for every packed token
     num_decode_tokens: int = 0            # the first rows are single-token decodes
@@ -67,6 +75,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None   # [num_decode] int32
     prefills: list[PrefillSegment] = field(default_factory=list)
     decode_scores: DecodeScores | None = None
+    row_exchange: RowExchange | None = None
 
 
 # An attention's output [T, H, D] and, from Loom's kernels, each row's log-sum-exp [T, H] (None

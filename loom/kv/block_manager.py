@@ -10,10 +10,13 @@ Prefix caching: a full block is identified by a hash chained over its parent's h
 own tokens, so equal hashes mean equal prefixes. Freed blocks that hold a hash stay reusable,
 in LRU order, until a new allocation needs the space.
 
-With KV parallelism (Helix) the pool is split over `num_shards` ranks, block b living on rank
-b % num_shards, and a sequence's blocks go round-robin over them: its block j comes from shard
-j % num_shards, so each rank holds every num_shards-th block of tokens. Every allocation,
-copy-on-write copy and prefix hit keeps that rule (a block's hash fixes its index).
+A partitioned run splits the pool over `num_shards` ranks, block b living on rank
+b % num_shards. Placement "block" (Helix KV parallelism) sends a sequence's blocks round-robin
+over them: its block j comes from shard j % num_shards, so each rank holds every
+num_shards-th block of tokens. Placement "sequence" (attention sharded by batch) keeps all of a
+sequence's blocks on one shard, the one with the most free blocks when it starts (or the one
+its prefix hits live on). Every allocation, copy-on-write copy and prefix hit keeps the rule (a
+block's hash fixes its index; a fork shares its parent's shard).
 
 A second tier (swap) holds the blocks of sequences preempted by swapping: their slot maps keep
 their tokens while the blocks sit in swap slots.
@@ -60,6 +63,7 @@ class SlotMap:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     swap_ids: list[int] = field(default_factory=list)  # second-tier slots while swapped out
+    shard: int = 0  # with placement "sequence", where every block of the map lives
 
     def slots(self, start: int, stop: int) -> list[int]:
         """Slots of stored tokens start .. stop - 1."""
@@ -77,12 +81,12 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, num_shards: int = 1) -> None:
+                 num_swap_blocks: int = 0, num_shards: int = 1, placement: str = "block") -> None:
         if num_blocks < num_shards:
             raise ValueError(f"the KV pool has no blocks (num_blocks={num_blocks}); raise kv_cache_memory")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_shards = num_shards
+        self.num_shards, self.by_sequence = num_shards, placement == "sequence"
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Per shard: unreferenced blocks without a hash, and unreferenced hashed ones (LRU first).
         self._free_ids: list[deque[int]] = [deque(range(s, num_blocks, num_shards)) for s in range(num_shards)]
@@ -111,12 +115,16 @@ class BlockManager:
     def _num_free(self, shard: int) -> int:
         return len(self._free_ids[shard]) + len(self._evictable[shard])
 
-    def _fits(self, indices: Iterable[int], taken: Iterable[int] = ()) -> bool:
-        """Whether fresh blocks for the sequence-block `indices` can be had, once the free blocks
+    def _shard(self, slots: SlotMap, index: int) -> int:
+        """The shard the map's block `index` comes from."""
+        return slots.shard if self.by_sequence else index % self.num_shards
+
+    def _fits(self, slots: SlotMap, indices: Iterable[int], taken: Iterable[int] = ()) -> bool:
+        """Whether fresh blocks for the map's blocks `indices` can be had, once the free blocks
         `taken` (prefix hits about to be taken) are gone."""
         needed = [0] * self.num_shards
         for i in indices:
-            needed[i % self.num_shards] += 1
+            needed[self._shard(slots, i)] += 1
         for block_id in taken:
             needed[block_id % self.num_shards] += 1
         return all(n <= self._num_free(s) for s, n in enumerate(needed))
@@ -190,11 +198,15 @@ class BlockManager:
         admission, as already stored tokens). Returns False, changing nothing, if the pool
         cannot hold them. Calling it again for the same tokens changes nothing."""
         hits = prefix_hits or []
+        shard = slots.shard
+        if self.by_sequence and not slots.block_ids:  # a new map: its prefix's shard, or the roomiest
+            slots.shard = hits[0] % self.num_shards if hits else max(range(self.num_shards), key=self._num_free)
         if hits:  # the state after taking the hits, to count what else is needed
             needed = range(len(hits), -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size))
         else:
             needed = self._blocks_needed(slots, num_new_tokens)
-        if not self._fits(needed, taken=[b for b in hits if self.blocks[b].ref_count == 0]):
+        if not self._fits(slots, needed, taken=[b for b in hits if self.blocks[b].ref_count == 0]):
+            slots.shard = shard
             return False
         for block_id in hits:
             self._take(block_id)
@@ -205,13 +217,13 @@ class BlockManager:
         if self._needs_copy_on_write(slots, num_new_tokens):
             i = slots.num_tokens // self.block_size
             shared = self.blocks[slots.block_ids[i]]
-            fresh = self._take_free(i)
+            fresh = self._take_free(self._shard(slots, i))
             self._pending_copies.append((shared.block_id, fresh))
             shared.ref_count -= 1
             slots.block_ids[i] = fresh
         total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
         while len(slots.block_ids) < total:
-            slots.block_ids.append(self._take_free(len(slots.block_ids)))
+            slots.block_ids.append(self._take_free(self._shard(slots, len(slots.block_ids))))
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -280,19 +292,19 @@ class BlockManager:
         slot's source slot, or None, changing nothing, when a needed copy finds no free block."""
         bs = self.block_size
         to_copy = [b for b in sorted(written) if self.blocks[slots.block_ids[b]].ref_count > 1]
-        if not self._fits(to_copy):
+        if not self._fits(slots, to_copy):
             return None
         for b in sorted(written):
             block = self.blocks[slots.block_ids[b]]
             if b in to_copy or block.hash is None:
                 continue
-            if self._fits(to_copy + [b]):
+            if self._fits(slots, to_copy + [b]):
                 to_copy.append(b)
             else:
                 del self._cached[block.hash]
                 block.hash = None
         source = {}  # slot -> the slot whose content it takes
-        copied = [(b, slots.block_ids[b], self._take_free(b)) for b in to_copy]
+        copied = [(b, slots.block_ids[b], self._take_free(self._shard(slots, b))) for b in to_copy]
         for b, old, fresh in copied:
             # Released only now, so no copy of this drop lands in it; the moves read it before any step writes.
             self._release(old)
@@ -315,7 +327,7 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         return SlotMap(self.block_size, list(parent.block_ids), parent.num_tokens,
                        None if parent.positions is None else list(parent.positions), parent.heads_differ,
-                       list(parent.block_hashes), parent.num_registered_blocks)
+                       list(parent.block_hashes), parent.num_registered_blocks, shard=parent.shard)
 
     def free(self, slots: SlotMap, keep_moves: bool = False) -> None:
         """Releases everything the map holds, pool blocks or swap slots; it is empty after. The
@@ -362,12 +374,12 @@ class BlockManager:
 
     def can_swap_in(self, slots: SlotMap, num_new_tokens: int) -> bool:
         total = -(-(slots.num_tokens + num_new_tokens) // self.block_size)
-        return self._fits(range(max(total, len(slots.swap_ids))))
+        return self._fits(slots, range(max(total, len(slots.swap_ids))))
 
     def swap_in(self, slots: SlotMap) -> list[tuple[int, int]]:
         """Brings the blocks back into fresh pool blocks; returns the (swap slot, pool block)
         copies to make before the step runs."""
-        pairs = [(slot, self._take_free(i)) for i, slot in enumerate(slots.swap_ids)]
+        pairs = [(slot, self._take_free(self._shard(slots, i))) for i, slot in enumerate(slots.swap_ids)]
         self._free_swap_ids.extend(slots.swap_ids)
         slots.swap_ids = []
         slots.block_ids = [block for _, block in pairs]
@@ -388,9 +400,8 @@ class BlockManager:
             del self._evictable[block_id % self.num_shards][block_id]
         block.ref_count += 1
 
-    def _take_free(self, index: int) -> int:
-        """A free block for the sequence's block `index` (from its shard)."""
-        shard = index % self.num_shards
+    def _take_free(self, shard: int) -> int:
+        """A free block of `shard`."""
         if self._free_ids[shard]:
             block_id = self._free_ids[shard].popleft()
         else:  # evict the least recently freed cached block

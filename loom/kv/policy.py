@@ -58,15 +58,16 @@ def check_kv_policy(policy: object, budget: object, recent_ratio: object = None)
                          f"got {budget!r}")
 
 
-def check_kv_policy_ranks(policy: str, world_size: int, kv_parallel_size: int = 1) -> None:
+def check_kv_policy_ranks(policy: str, world_size: int, shards_kv: bool = False) -> None:
     """Scored policies keep per-head scores in one process: not yet with several ranks. Any
-    drop moves tokens between blocks, which KV parallelism keeps on different ranks."""
+    drop moves tokens between blocks, which are on different ranks when the KV cache is split
+    by sequence or by position (`shards_kv`)."""
     if world_size > 1 and policy in SCORED_POLICIES:
         raise ValueError(f"kv_policy: {policy} needs every KV head's scores in one process; it does not run "
                          "with tensor_parallel_size > 1 yet")
-    if kv_parallel_size > 1 and policy != "full":
-        raise ValueError(f"kv_policy: {policy} drops tokens, which does not run with kv_parallel_size > 1 yet; "
-                         "use 'full'")
+    if shards_kv and policy != "full":
+        raise ValueError(f"kv_policy: {policy} drops tokens, which does not run with the KV cache split over "
+                         "ranks (kv_parallel_size > 1 or attention_sharding='batch') yet; use 'full'")
 
 
 @dataclass(frozen=True)

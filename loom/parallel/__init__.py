@@ -9,5 +9,8 @@ shard of weights and KV.
                       plus all-reduce hooks; vocab-parallel embedding and LM head)
   helix.py            Helix KV parallelism: each sequence's KV split by blocks over KVP ranks,
                       partial attention, one all-to-all and the exact log-sum-exp merge
+  batch_attention.py  attention sharded by batch: each rank keeps its own sequences' KV (every
+                      head); all-to-alls between head and batch sharding
+  comm.py             the collectives those call (shared memory on one host, else the process group)
   step.py             broadcasting a step's inputs from rank 0; the other ranks' step loop
 """

@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from loom.kv.attention import AttentionMetadata, PagedAttention, PrefillSegment, paged_attention
 from loom.kv.cache import KVCache
+from loom.parallel import comm
 from loom.parallel.state import ParallelState
 
 
@@ -73,13 +73,6 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs).sum(0) / weights.sum(0).unsqueeze(-1)
 
 
-def all_to_all(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """x [KVP, ...]: piece j goes to KVP rank j; returns [KVP, ...], piece j from KVP rank j."""
-    if state.kvp_shm_group is not None:
-        return torch.ops.loom.shm_all_to_all(x, state.kvp_shm_group)
-    return funcol.all_to_all_single(x, None, None, state.kvp_group)
-
-
 class HelixAttention(nn.Module):
     """A layer's attention on one rank of a KVP group: partial attention over the keys this rank
     holds, one all-to-all, the merge. q [T, H/TPA, D] in, [T, H/N, D] out."""
@@ -95,7 +88,7 @@ class HelixAttention(nn.Module):
         # One message: the outputs (in fp32, for the merge) and their log-sum-exps, by head slice.
         packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
         packed = packed.view(tokens, kvp, heads // kvp, head_dim + 1).transpose(0, 1).contiguous()
-        parts = all_to_all(packed, self.state)
+        parts = comm.all_to_all(packed, self.state.kvp_group, self.state.kvp_shm_group)
         return merge_partials(parts[..., :head_dim], parts[..., head_dim]).to(q.dtype)
 
 

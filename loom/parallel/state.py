@@ -29,6 +29,7 @@ class ParallelState:
     rank: int = 0
     world_size: int = 1
     kvp_size: int = 1
+    batch_sharded: bool = False  # attention sharded by batch: each rank keeps its own sequences' KV
     group: dist.ProcessGroup | None = None  # every rank; None in one process
     shm_group: int | None = None  # a shared-memory group of every rank (loom::shm_*), if in use
     kvp_group: dist.ProcessGroup | None = None  # the ranks holding this one's heads (KVP > 1)
@@ -60,6 +61,16 @@ class ParallelState:
     def tpa_size(self) -> int:
         return self.world_size // self.kvp_size
 
+    @property
+    def kv_shards(self) -> tuple[int, str]:
+        """Over how many ranks the scheduler's KV pool is split, and how a sequence's blocks are
+        placed on them (loom/kv/block_manager.py)."""
+        if self.kvp_size > 1:
+            return self.kvp_size, "block"
+        if self.batch_sharded:
+            return self.world_size, "sequence"
+        return 1, "block"
+
 
 def init_parallel(config: ParallelConfig, device: torch.device) -> ParallelState:
     """Joins (or, under torchrun, creates) the default process group for `config`; one process
@@ -80,7 +91,8 @@ def init_parallel(config: ParallelConfig, device: torch.device) -> ParallelState
     # Every rank creates every KVP group, in the same order (torch.distributed's rule).
     kvp_groups = [dist.new_group(list(range(t * kvp, (t + 1) * kvp))) for t in range(world // kvp)] if kvp > 1 else []
     shm = _shared_memory_groups(config.all_reduce, device, kvp)
-    return ParallelState(rank=rank, world_size=world, kvp_size=kvp, group=dist.group.WORLD,
+    return ParallelState(rank=rank, world_size=world, kvp_size=kvp, batch_sharded=config.attention_sharding == "batch",
+                         group=dist.group.WORLD,
                          shm_group=shm[0] if shm else None,
                          kvp_group=kvp_groups[rank // kvp] if kvp_groups else None,
                          kvp_shm_group=shm[1] if shm and kvp > 1 else None)

@@ -24,8 +24,6 @@ every rank keeps the codes and scales one process would have) and before the pan
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
@@ -34,6 +32,8 @@ from loom.models.config import ModelConfig
 from loom.models.gpt_neox import GPTNeoXForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
+from loom.parallel import comm
+from loom.parallel.batch_attention import BatchShardedAttention, batch_attention_bytes
 from loom.parallel.helix import HelixAttention, helix_attention_bytes
 from loom.parallel.state import ParallelState
 
@@ -95,28 +95,9 @@ def keep_columns(layer: Layer, columns: slice, name: str, state: ParallelState) 
     return part
 
 
-def all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """The sum of `x` over the ranks: through shared memory when the ranks have a group there,
-    else the process group's (both are operators a compiled graph calls)."""
-    if state.shm_group is not None:
-        return torch.ops.loom.shm_all_reduce(x, state.shm_group)
-    return funcol.all_reduce(x, "sum", state.group)
-
-
-def gather_to_driver(x: torch.Tensor, state: ParallelState) -> list[torch.Tensor] | None:
-    """Every rank's `x` (same shapes), in rank order, on rank 0; None on the others. Through
-    shared memory when the ranks have a group there (every rank then holds them all)."""
-    if state.shm_group is not None:
-        parts = torch.ops.loom.shm_all_gather(x, state.shm_group, state.tp_size)
-        return list(parts.unbind(0)) if state.is_driver else None
-    parts = [torch.empty_like(x) for _ in range(state.tp_size)] if state.is_driver else None
-    dist.gather(x, parts, dst=0, group=state.group)
-    return parts
-
-
 def _all_reduce_output(state: ParallelState):
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        return all_reduce(output, state)
+        return comm.all_reduce(output, state.group, state.shm_group)
     return hook
 
 
@@ -133,7 +114,8 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return all_reduce(torch.where(inside.unsqueeze(-1), rows, 0), self.state)
+        state = self.state
+        return comm.all_reduce(torch.where(inside.unsqueeze(-1), rows, 0), state.group, state.shm_group)
 
 
 class VocabParallelHead(nn.Module):
@@ -146,7 +128,9 @@ class VocabParallelHead(nn.Module):
         self.linear, self.vocab_size, self.state = linear, vocab_size, state
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        parts = gather_to_driver(self.linear(hidden).float().contiguous(), self.state)
+        state = self.state
+        parts = comm.gather_to_driver(self.linear(hidden).float().contiguous(), state.group, state.shm_group,
+                                      state.rank, state.world_size)
         if parts is None:
             return hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
@@ -169,8 +153,14 @@ def _attention_shares(cfg: ModelConfig, state: ParallelState) -> tuple[int, int,
     return heads, state.tpa_rank * heads, slice(state.rank * out_heads * hd, (state.rank + 1) * out_heads * hd)
 
 
-def _kv_parallel(attention: PagedAttention, state: ParallelState) -> nn.Module:
-    return HelixAttention(attention, state) if state.kvp_size > 1 else attention
+def _sharded_attention(attention: PagedAttention, cfg: ModelConfig, state: ParallelState) -> nn.Module:
+    """The attention for this layout: Helix's, batch-sharded, or the plain one over this rank's heads."""
+    if state.kvp_size > 1:
+        return HelixAttention(attention, state)
+    if state.batch_sharded:
+        kv_heads = [local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, r) for r in range(state.tp_size)]
+        return BatchShardedAttention(attention, state, kv_heads)
+    return attention
 
 
 def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
@@ -187,7 +177,7 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
             attn.qkv_proj = keep_rows(attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows,
                                                                 attn.q_size + attn.kv_size + kv_rows]))
             attn.o_proj = keep_columns(attn.o_proj, o_columns, f"layers.{i}.self_attn.o_proj", state)
-            attn.attn = _kv_parallel(attn.attn, state)
+            attn.attn = _sharded_attention(attn.attn, cfg, state)
             attn.num_heads, attn.num_kv_heads = heads, kv_count
             attn.q_size, attn.kv_size = heads * hd, kv_count * hd
             attn.register_forward_hook(_all_reduce_output(state))
@@ -229,7 +219,7 @@ def shard_gpt_neox(model: GPTNeoXForCausalLM, state: ParallelState) -> None:
             attn.query_key_value = keep_rows(attn.query_key_value, torch.arange(first_head * 3 * hd,
                                                                                 (first_head + heads) * 3 * hd))
             attn.dense = keep_columns(attn.dense, dense_columns, f"layers.{i}.attention.dense", state)
-            attn.attn = _kv_parallel(attn.attn, state)
+            attn.attn = _sharded_attention(attn.attn, cfg, state)
             attn.num_heads = heads
             mlp.dense_h_to_4h = keep_rows(mlp.dense_h_to_4h, torch.arange(r * ffn, (r + 1) * ffn))
             mlp.dense_4h_to_h = keep_columns(mlp.dense_4h_to_h, slice(r * ffn, (r + 1) * ffn),
@@ -249,11 +239,12 @@ def shard_model(model: LlamaForCausalLM | GPTNeoXForCausalLM, state: ParallelSta
 
 
 def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState, num_tokens: int,
-                      logit_rows: list[int]) -> list[tuple[str, int, int]]:
+                      logit_rows: list[int], rows_per_rank: int = 0) -> list[tuple[str, int, int]]:
     """(kind, calls, bytes each rank puts in) of one forward over `num_tokens` tokens whose
     logits are computed in calls of `logit_rows` rows each: the embedding's all-reduce, one
-    after each attention and each FFN (one per layer for a parallel block), Helix's all-to-all
-    in each attention, and the LM head's gathers of fp32 logits."""
+    after each attention and each FFN (one per layer for a parallel block), the all-to-alls of
+    each attention (Helix's one; two by batch, over `rows_per_rank` rows for each rank), and the
+    LM head's gathers of fp32 logits."""
     activations = num_tokens * cfg.hidden_size * dtype.itemsize
     vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
     all_reduces = (1 if cfg.parallel_residual else 2) * cfg.num_layers + 1
@@ -262,4 +253,9 @@ def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState
     if state.kvp_size > 1:
         counts.append(("all_to_all", cfg.num_layers,
                        cfg.num_layers * helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, state)))
+    elif state.batch_sharded:
+        kv_heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, state.tp_rank)[1]
+        counts.append(("all_to_all", 2 * cfg.num_layers,
+                       cfg.num_layers * batch_attention_bytes(rows_per_rank, cfg.num_heads // state.tp_size, kv_heads,
+                                                              cfg.head_dim, dtype.itemsize, state.tp_size)))
     return counts

@@ -1,0 +1,33 @@
+"""The collectives a partitioned forward calls, each through shared memory when the ranks have
+a group there (every rank on one host, CPU), else through the process group. All are
+operators, so compiled graphs call them too."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None) -> torch.Tensor:
+    """The sum of `x` over the group's ranks."""
+    if shm_group is not None:
+        return torch.ops.loom.shm_all_reduce(x, shm_group)
+    return funcol.all_reduce(x, "sum", group)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None) -> torch.Tensor:
+    """x [ranks, ...]: piece j goes to the group's rank j; returns [ranks, ...], piece j from rank j."""
+    if shm_group is not None:
+        return torch.ops.loom.shm_all_to_all(x, shm_group)
+    return funcol.all_to_all_single(x, None, None, group)
+
+
+def gather_to_driver(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None, rank: int,
+                     world: int) -> list[torch.Tensor] | None:
+    """Every rank's `x` (same shapes), in rank order, on rank 0; None on the others."""
+    if shm_group is not None:  # every rank then holds them all
+        parts = torch.ops.loom.shm_all_gather(x, shm_group, world)
+        return list(parts.unbind(0)) if rank == 0 else None
+    parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, parts, dst=0, group=group)
+    return parts
