@@ -97,6 +97,7 @@ class SchedulerConfig:
 
 ATTENTION_BACKENDS = ("cpp", "torch")
 ATTENTION_SHARDINGS = ("heads", "batch")
+FFN_LAYOUTS = ("1d", "2d")
 ALL_REDUCES = ("auto", "shared_memory", "process_group")
 
 
@@ -110,6 +111,10 @@ class ParallelConfig:
     # How activations are all-reduced: "shared_memory" (every rank on one host, CPU), "process_group"
     # (gloo / NCCL), or "auto": shared memory where it can, else the process group
     all_reduce: str = "auto"
+    # The FFN's layout: "1d" weight-stationary (Megatron), or "2d" (PaLM's: weights split along
+    # both the model and the FFN dimension over a grid of X x YZ ranks, X the largest divisor
+    # of the world size at most its square root)
+    ffn_layout: str = "1d"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "kv_parallel_size"):
@@ -120,6 +125,12 @@ class ParallelConfig:
             raise ValueError(f"all_reduce: {self.all_reduce!r}, choose from {ALL_REDUCES}")
         if self.attention_sharding not in ATTENTION_SHARDINGS:
             raise ValueError(f"attention_sharding: {self.attention_sharding!r}, choose from {ATTENTION_SHARDINGS}")
+        if self.ffn_layout not in FFN_LAYOUTS:
+            raise ValueError(f"ffn_layout: {self.ffn_layout!r}, choose from {FFN_LAYOUTS}")
+        if self.ffn_layout == "2d" and (self.ffn_grid[0] < 2 or self.kv_parallel_size > 1
+                                        or self.attention_sharding != "heads"):
+            raise ValueError(f"ffn_layout: '2d' needs a grid of at least 2 x 2 tensor-parallel ranks (here "
+                             f"{self.world_size} ranks), without kv_parallel_size or attention_sharding='batch'")
         if self.attention_sharding == "batch" and self.kv_parallel_size > 1:
             raise ValueError("attention_sharding: 'batch' shards attention over the tensor-parallel ranks; it does "
                              "not combine with kv_parallel_size > 1")
@@ -127,6 +138,14 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.kv_parallel_size
+
+    @property
+    def ffn_grid(self) -> tuple[int, int]:
+        """(X, YZ) of the FFN's layout: X = 1 for 1D."""
+        if self.ffn_layout == "1d":
+            return 1, self.world_size
+        x = max(d for d in range(1, int(self.world_size ** 0.5) + 1) if self.world_size % d == 0)
+        return x, self.world_size // x
 
     @property
     def shards_kv(self) -> bool:
@@ -147,6 +166,11 @@ class ParallelConfig:
                              "multiple of them (then each rank keeps the KV heads its query heads read)")
         if m.intermediate_size % world:
             raise ValueError(f"{ranks} must divide the model's intermediate_size {m.intermediate_size}")
+        if self.ffn_layout == "2d" and m.architecture == "GPTNeoXForCausalLM":
+            raise ValueError(f"ffn_layout: '2d' runs the Llama family's FFN; not {m.architecture} yet")
+        if self.ffn_layout == "2d" and m.hidden_size % world:
+            raise ValueError(f"ffn_layout: '2d' splits the model's hidden_size {m.hidden_size} over all {world} ranks, "
+                             "which must divide it")
 
 
 def default_enforce_eager() -> bool:

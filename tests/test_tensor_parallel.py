@@ -3,6 +3,7 @@ process, with prefix caching, chunked prefill and preemption active; sizes that 
 fail before any weight loads."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -57,7 +58,7 @@ def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_va
 
 
 def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, blocks: int = 24,
-             **options) -> dict:
+             ffn_layout: str = "1d", **options) -> dict:
     """One process against tp x kvp ranks (2 tensor-parallel ones by default), whose pools hold
     as many blocks in all as the one process's (so both schedule alike, preempting): the same
     tokens. With `near_tie`, a generation may part from one process's where that one's two
@@ -74,7 +75,7 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2
     rank_heads = m.num_kv_heads if by_batch else local_kv_heads(m.num_heads, m.num_kv_heads, tp, 0)[1]
     port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
-    parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp,
+    parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp, "ffn_layout": ffn_layout,
                                     "kv_cache_memory": pool_bytes(rank_heads, tp if by_batch else kvp)},
                          [["--nproc-per-node", str(tp * kvp), "--master-addr", "127.0.0.1", "--master-port", port]],
                          **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
@@ -140,6 +141,23 @@ def test_attention_sharded_by_batch_compiled(gqa, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
+def test_ffn_2d_weight_stationary_on_2_by_2(hf_models, tmp_path, name):
+    """PaLM's 2D weight-stationary FFN on a 2 x 2 grid of 4 processes (attention 1D over all 4):
+    per layer, two reduce-scatters and two all-gathers replace the FFN's all-reduce."""
+    model_dir = hf_models(name)[0]
+    calls = _compare(tmp_path, model_dir, tp=4, ffn_layout="2d")["stats"]["collective_calls"]
+    layers, steps = ModelConfig.from_dir(model_dir).num_layers, calls["broadcast"] // 2
+    assert (calls["reduce_scatter"], calls["all_gather"], calls["all_reduce"]) == \
+        (2 * layers * steps, 2 * layers * steps, (layers + 1) * steps)
+
+
+@pytest.mark.parametrize("options", [dict(enforce_eager=False), dict(all_reduce="process_group")],
+                         ids=["compiled", "gloo"])
+def test_ffn_2d_compiled_and_through_gloo(gqa, tmp_path, options):
+    _compare(tmp_path, gqa[0], tp=4, ffn_layout="2d", **options)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
 def test_helix_two_kv_ranks(hf_models, tmp_path, name):
     """Helix with KVP = 2, TPA = 1: each rank holds every other block of each sequence; one
     all-to-all per layer."""
@@ -162,17 +180,18 @@ def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
     _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
 
 
-@pytest.mark.parametrize("tp,kvp,options", [(2, 1, {}), (1, 2, {}), (2, 1, BY_BATCH)],
-                         ids=["tensor", "helix", "batch"])
-def test_two_ranks_int8(tmp_path, tp, kvp, options):
-    """int8 layers quantize activations in groups of 64 inputs. With each rank's share of o_proj's
-    and down_proj's inputs a multiple of 64 (8 heads of 16 over 2 ranks; 256 / 2) the ranks round
-    the groups one process rounds, but the all-reduce sums in another order (and Helix merges
-    partial attentions), and a difference in the last bit can move a value across a rounding
-    step (1/254 of its group's largest): a generation may part from one process's at a near
-    tie, and only there."""
-    model_dir = tmp_path / "gqa128"
-    build_hf_model(model_dir, "llama_gqa", hidden_size=128)
+@pytest.mark.parametrize("tp,kvp,options", [(2, 1, {}), (1, 2, {}), (2, 1, BY_BATCH), (4, 1, dict(ffn_layout="2d"))],
+                         ids=["tensor", "helix", "batch", "ffn_2d"])
+def test_parallel_int8(tmp_path, tp, kvp, options):
+    """int8 layers quantize activations in groups of 64 inputs. With each rank's share of every
+    split input a multiple of 64 (8 heads of 16 over 2 ranks and an FFN of 256; on 4 ranks, heads
+    of 32 and the 2D blocks of a 256-wide model) the ranks round the groups one process rounds,
+    but the all-reduce sums in another order (and Helix merges partial attentions), and a
+    difference in the last bit can move a value across a rounding step (1/254 of its group's
+    largest): a generation may part from one process's at a near tie, and only there."""
+    hidden = 64 * tp * kvp
+    model_dir = tmp_path / f"gqa{hidden}"
+    build_hf_model(model_dir, "llama_gqa", hidden_size=hidden)
     _compare(tmp_path, model_dir, near_tie=0.05, tp=tp, kvp=kvp, quantization="int8", **options)
 
 
@@ -320,6 +339,15 @@ def test_kv_split_over_ranks_refuses_what_it_cannot_run_yet(gqa, layout):
 def test_helix_needs_the_kernels_log_sum_exp(gqa):
     with pytest.raises(ValueError, match="attention_backend 'cpp'"):
         LLM(str(gqa[0]), kv_parallel_size=2, attention_backend="torch")
+
+
+def test_ffn_2d_needs_a_grid():
+    with pytest.raises(ValueError, match="ffn_layout: '2d' needs a grid of at least 2 x 2 .*here 2 ranks"):
+        ParallelConfig(tensor_parallel_size=2, ffn_layout="2d")
+    assert ParallelConfig(tensor_parallel_size=8, ffn_layout="2d").ffn_grid == (2, 4)
+    with pytest.raises(ValueError, match="hidden_size 100 over all 8 ranks"):
+        ParallelConfig(tensor_parallel_size=8, ffn_layout="2d").check_model(
+            dataclasses.replace(_model(8, 2), hidden_size=100))
 
 
 def test_batch_sharding_does_not_combine_with_helix():

@@ -38,7 +38,8 @@ def count_collectives() -> dict:
 
     from loom.parallel import comm
 
-    counts = {"all_reduce": [0, 0], "gather": [0, 0], "broadcast": [0, 0], "all_to_all": [0, 0]}
+    counts = {kind: [0, 0] for kind in ("all_reduce", "gather", "broadcast", "all_to_all", "reduce_scatter",
+                                        "all_gather")}
 
     def counted(kind, f):
         def call(tensor, *args, **kwargs):
@@ -50,6 +51,8 @@ def count_collectives() -> dict:
     comm.all_reduce = counted("all_reduce", comm.all_reduce)  # shared memory or gloo
     comm.gather_to_driver = counted("gather", comm.gather_to_driver)
     comm.all_to_all = counted("all_to_all", comm.all_to_all)
+    comm.reduce_scatter = counted("reduce_scatter", comm.reduce_scatter)
+    comm.all_gather = counted("all_gather", comm.all_gather)
     dist.broadcast = counted("broadcast", dist.broadcast)
     return counts
 

@@ -12,9 +12,9 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
-  shm_open_group, shm_all_reduce, shm_all_gather, shm_all_to_all  a sum all-reduce, an
-                          all-gather and an all-to-all between the processes of one machine
-                          through shared memory (shm_all_reduce.cpp), for parallel ranks
+  shm_open_group, shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_all_to_all  the
+                          collectives between the processes of one machine, through shared
+                          memory (shm_all_reduce.cpp), for parallel ranks
 """
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::shm_all_to_all")
     def _(x, group):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("loom::shm_reduce_scatter")
+    def _(x, group):
+        return x.new_empty(x.shape[1:])
 
     @torch.library.register_fake("loom::paged_decode_attention")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale):

@@ -11,6 +11,7 @@ shard of weights and KV.
                       partial attention, one all-to-all and the exact log-sum-exp merge
   batch_attention.py  attention sharded by batch: each rank keeps its own sequences' KV (every
                       head); all-to-alls between head and batch sharding
+  ffn_2d.py           PaLM's 2D weight-stationary FFN over an X x YZ grid of ranks
   comm.py             the collectives those call (shared memory on one host, else the process group)
   step.py             broadcasting a step's inputs from rank 0; the other ranks' step loop
 """

@@ -31,3 +31,18 @@ def gather_to_driver(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int |
     parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
     dist.gather(x, parts, dst=0, group=group)
     return parts
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None, size: int) -> torch.Tensor:
+    """Every rank's `x` (same shapes) stacked in the group's rank order: [size, *x.shape]."""
+    if shm_group is not None:
+        return torch.ops.loom.shm_all_gather(x, shm_group, size)
+    return funcol.all_gather_tensor(x.unsqueeze(0).contiguous(), 0, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None) -> torch.Tensor:
+    """x [ranks, ...] holds a piece for each of the group's ranks: the sum over the ranks of
+    their piece for this one, [...]."""
+    if shm_group is not None:
+        return torch.ops.loom.shm_reduce_scatter(x, shm_group)
+    return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group).squeeze(0)

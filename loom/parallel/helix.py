@@ -88,7 +88,7 @@ class HelixAttention(nn.Module):
         # One message: the outputs (in fp32, for the merge) and their log-sum-exps, by head slice.
         packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
         packed = packed.view(tokens, kvp, heads // kvp, head_dim + 1).transpose(0, 1).contiguous()
-        parts = comm.all_to_all(packed, self.state.kvp_group, self.state.kvp_shm_group)
+        parts = comm.all_to_all(packed, self.state.kvp.group, self.state.kvp.shm_group)
         return merge_partials(parts[..., :head_dim], parts[..., head_dim]).to(q.dtype)
 
 

@@ -21,19 +21,30 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
 @dataclass(frozen=True)
+class Subgroup:
+    """Some of the ranks, this one among them, and how to reach them."""
+    group: dist.ProcessGroup
+    shm_group: int | None  # their shared-memory group (loom::shm_*), if in use
+    rank: int  # this rank's index among them
+    size: int
+
+
+@dataclass(frozen=True)
 class ParallelState:
     """This rank's place. The ranks form a grid of TPA x KVP (Helix; KVP = 1 is plain tensor
     parallel): rank = tpa_rank * kvp_size + kvp_rank. Attention splits heads over the TPA
     ranks and each sequence's KV over the KVP ranks; the output projection, the FFN and the
-    vocabulary are split over all ranks (tp_rank of tp_size, the world)."""
+    vocabulary are split over all ranks (tp_rank of tp_size, the world). A 2D weight-stationary
+    FFN sees them as a grid of X x YZ instead: rank = yz * X + x."""
     rank: int = 0
     world_size: int = 1
     kvp_size: int = 1
     batch_sharded: bool = False  # attention sharded by batch: each rank keeps its own sequences' KV
     group: dist.ProcessGroup | None = None  # every rank; None in one process
     shm_group: int | None = None  # a shared-memory group of every rank (loom::shm_*), if in use
-    kvp_group: dist.ProcessGroup | None = None  # the ranks holding this one's heads (KVP > 1)
-    kvp_shm_group: int | None = None  # the same ranks' shared-memory group, if in use
+    kvp: Subgroup | None = None  # the KVP ranks holding this one's heads (KVP > 1)
+    ffn_x: Subgroup | None = None  # 2D FFN: the ranks of this one's YZ index, along X
+    ffn_yz: Subgroup | None = None  # 2D FFN: the ranks of this one's X index, along YZ
 
     @property
     def is_driver(self) -> bool:
@@ -87,15 +98,23 @@ def init_parallel(config: ParallelConfig, device: torch.device) -> ParallelState
     if world != config.world_size:
         raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} x kv_parallel_size "
                          f"{config.kv_parallel_size} must equal the world size, {world} processes")
-    rank, kvp = dist.get_rank(), config.kv_parallel_size
-    # Every rank creates every KVP group, in the same order (torch.distributed's rule).
-    kvp_groups = [dist.new_group(list(range(t * kvp, (t + 1) * kvp))) for t in range(world // kvp)] if kvp > 1 else []
-    shm = _shared_memory_groups(config.all_reduce, device, kvp)
+    rank, kvp, x = dist.get_rank(), config.kv_parallel_size, config.ffn_grid[0]
+    partitions = {}  # name -> the rank lists it splits the world into
+    if kvp > 1:
+        partitions["kvp"] = [list(range(t * kvp, (t + 1) * kvp)) for t in range(world // kvp)]
+    if x > 1:
+        partitions["ffn_x"] = [list(range(yz * x, (yz + 1) * x)) for yz in range(world // x)]
+        partitions["ffn_yz"] = [list(range(i, world, x)) for i in range(x)]
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    groups = {name: [dist.new_group(ranks) for ranks in partition] for name, partition in partitions.items()}
+    shm = _shared_memory_groups(config.all_reduce, device, list(partitions.values()))
+    subgroups = {}
+    for i, (name, partition) in enumerate(partitions.items()):
+        mine = next(j for j, ranks in enumerate(partition) if rank in ranks)
+        subgroups[name] = Subgroup(groups[name][mine], shm[1][i] if shm else None, partition[mine].index(rank),
+                                   len(partition[mine]))
     return ParallelState(rank=rank, world_size=world, kvp_size=kvp, batch_sharded=config.attention_sharding == "batch",
-                         group=dist.group.WORLD,
-                         shm_group=shm[0] if shm else None,
-                         kvp_group=kvp_groups[rank // kvp] if kvp_groups else None,
-                         kvp_shm_group=shm[1] if shm and kvp > 1 else None)
+                         group=dist.group.WORLD, shm_group=shm[0] if shm else None, **subgroups)
 
 
 # Bytes of one rank's slot; a larger tensor goes through in pieces (a 2048-token fp32 prefill
@@ -103,9 +122,10 @@ def init_parallel(config: ParallelConfig, device: torch.device) -> ParallelState
 SHM_SLOT_BYTES = 4 << 20
 
 
-def _shared_memory_groups(choice: str, device: torch.device, kvp: int) -> tuple[int, int] | None:
-    """Shared-memory groups of every rank and of this rank's KVP ranks (the same as the first
-    when KVP is 1), when `choice` and the ranks allow them: all on one host, on CPU.
+def _shared_memory_groups(choice: str, device: torch.device,
+                          partitions: list[list[list[int]]]) -> tuple[int, list[int]] | None:
+    """Shared-memory groups of every rank and, for each partition of the ranks, of the ranks in
+    this one's part, when `choice` and the ranks allow them: all on one host, on CPU.
     "shared_memory" where they cannot is an error."""
     world, rank = dist.get_world_size(), dist.get_rank()
     hosts: list[str | None] = [None] * world
@@ -120,14 +140,17 @@ def _shared_memory_groups(choice: str, device: torch.device, kvp: int) -> tuple[
     from loom.kernels import load_kernels
 
     load_kernels()
-    # Names for the world's group and each KVP group.
-    names = [f"/loom-{uuid.uuid4().hex}-{i}" for i in range(1 + world // kvp)] if rank == 0 else None
+    # A name for the world's group and for each part of each partition.
+    names = [f"/loom-{uuid.uuid4().hex}"] if rank == 0 else None
     holder = [names]
     dist.broadcast_object_list(holder, src=0)
-    names = holder[0]
-    everyone = torch.ops.loom.shm_open_group(names[0], rank, world, SHM_SLOT_BYTES)
-    mine = everyone if kvp == 1 else torch.ops.loom.shm_open_group(names[1 + rank // kvp], rank % kvp, kvp,
-                                                                   SHM_SLOT_BYTES)
+    base = holder[0][0]
+    everyone = torch.ops.loom.shm_open_group(base, rank, world, SHM_SLOT_BYTES)
+    names, mine = [base], []
+    for i, partition in enumerate(partitions):
+        names += [f"{base}-{i}-{j}" for j in range(len(partition))]
+        j, ranks = next((j, ranks) for j, ranks in enumerate(partition) if rank in ranks)
+        mine.append(torch.ops.loom.shm_open_group(f"{base}-{i}-{j}", ranks.index(rank), len(ranks), SHM_SLOT_BYTES))
     dist.barrier()  # every rank has them mapped: the names can go (the memory stays until the last one exits)
     if rank == 0:
         for name in names:

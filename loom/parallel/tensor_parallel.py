@@ -34,6 +34,7 @@ from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
 from loom.parallel import comm
 from loom.parallel.batch_attention import BatchShardedAttention, batch_attention_bytes
+from loom.parallel.ffn_2d import WeightStationary2DMLP, ffn_2d_collectives, ffn_2d_rows
 from loom.parallel.helix import HelixAttention, helix_attention_bytes
 from loom.parallel.state import ParallelState
 
@@ -182,6 +183,9 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
             attn.q_size, attn.kv_size = heads * hd, kv_count * hd
             attn.register_forward_hook(_all_reduce_output(state))
 
+            if state.ffn_x is not None:
+                layer.mlp = _mlp_2d(mlp, cfg, state, i)
+                continue
             ffn_rows = torch.arange(r * ffn, (r + 1) * ffn)
             mlp.gate_up_proj = keep_rows(mlp.gate_up_proj, torch.cat([ffn_rows, cfg.intermediate_size + ffn_rows]))
             mlp.down_proj = keep_columns(mlp.down_proj, slice(r * ffn, (r + 1) * ffn), f"layers.{i}.mlp.down_proj",
@@ -190,6 +194,18 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
             mlp.register_forward_hook(_all_reduce_output(state))
 
         model.embed_tokens, model.lm_head = _vocab_parallel(model.embed_tokens, model.lm_head, cfg, state)
+
+
+def _mlp_2d(mlp: nn.Module, cfg: ModelConfig, state: ParallelState, i: int) -> WeightStationary2DMLP:
+    """A Llama MLP cut to this rank's blocks of PaLM's 2D weight-stationary layout."""
+    gate_up_rows, down_columns = ffn_2d_rows(cfg.intermediate_size, state)
+    width = cfg.hidden_size // state.ffn_x.size
+    model_dim = slice(state.ffn_x.rank * width, (state.ffn_x.rank + 1) * width)
+    columns = slice(int(down_columns[0]), int(down_columns[-1]) + 1)
+    gate_up = keep_columns(keep_rows(mlp.gate_up_proj, gate_up_rows), model_dim, f"layers.{i}.mlp.gate_up_proj", state)
+    down = keep_columns(keep_rows(mlp.down_proj, torch.arange(model_dim.start, model_dim.stop)), columns,
+                        f"layers.{i}.mlp.down_proj", state)
+    return WeightStationary2DMLP(gate_up, down, cfg.hidden_size, state)
 
 
 def _vocab_parallel(embedding: nn.Embedding, head: Layer, cfg: ModelConfig,
@@ -247,9 +263,13 @@ def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState
     LM head's gathers of fp32 logits."""
     activations = num_tokens * cfg.hidden_size * dtype.itemsize
     vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
-    all_reduces = (1 if cfg.parallel_residual else 2) * cfg.num_layers + 1
+    ffn_2d = state.ffn_x is not None
+    all_reduces = (1 if cfg.parallel_residual or ffn_2d else 2) * cfg.num_layers + 1
     counts = [("all_reduce", all_reduces, all_reduces * activations),
               ("gather", len(logit_rows), sum(logit_rows) * vocab_per_rank * 4)]
+    if ffn_2d:
+        counts += [(kind, calls * cfg.num_layers, nbytes * cfg.num_layers) for kind, calls, nbytes in
+                   ffn_2d_collectives(num_tokens, cfg.hidden_size, cfg.intermediate_size, dtype.itemsize, state)]
     if state.kvp_size > 1:
         counts.append(("all_to_all", cfg.num_layers,
                        cfg.num_layers * helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, state)))
