@@ -1,7 +1,8 @@
-"""Tensor parallel on this machine: 2 ranks x 1 thread (one torchrun launch; activations
-all-reduced through shared memory, and through gloo) against 1 process x 2 threads, decode at
-each batch size, with the bytes the ranks communicate per step beside the planner's prediction
-for the same layout.
+"""Partitioned decode on this machine: 2 ranks x 1 thread (one torchrun launch) against 1
+process x 2 threads, at each batch size, with the bytes the ranks communicate per step and the
+KV cache rank 0 holds. `loom bench tp` runs tensor parallel (activations all-reduced through
+shared memory, and through gloo) beside the planner's prediction of its bytes; `loom bench
+layouts` runs the layouts that split the KV cache (heads, Helix, batch) at a long context.
 
 Each configuration runs in processes of its own (`python -m loom.bench.tp ...`, under torchrun
 for 2 ranks); rank 0 writes its figures as JSON. Decode is timed from the step after every
@@ -34,6 +35,7 @@ def _decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> di
     while pending:  # prefill, until every request has its first token
         pending -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
     before, steps = llm.stats(), 0
+    kv_bytes = _rank0_kv_bytes(llm)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -45,7 +47,16 @@ def _decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> di
     calls = {kind: (after.collective_calls[kind] - before.collective_calls.get(kind, 0)) / steps
              for kind in after.collective_calls}
     return {"batch": batch, "steps": steps, "ms_per_step": 1000 * seconds / steps,
-            "tok_per_s": batch * steps / seconds, "bytes_per_step": per_step, "calls_per_step": calls}
+            "tok_per_s": batch * steps / seconds, "bytes_per_step": per_step, "calls_per_step": calls,
+            "rank0_kv_bytes": kv_bytes}
+
+
+def _rank0_kv_bytes(llm) -> int:
+    """Bytes of the KV blocks rank 0 holds now (a pool split over ranks keeps block b on rank b % shards)."""
+    runner, blocks = llm.engine.runner, llm.engine.scheduler.block_manager.blocks
+    used = sum(1 for b in blocks if b.ref_count > 0 and b.block_id % runner.kv_shards == 0)
+    cache = runner.cache
+    return used * 2 * len(cache.keys) * cache.keys[0][0].nbytes
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -53,8 +64,9 @@ def worker(args: argparse.Namespace) -> None:
     from loom import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, tensor_parallel_size=args.tp,
-              all_reduce=args.all_reduce, max_num_seqs=max(args.batches),
-              max_model_len=args.prompt_len + args.max_tokens + 16)
+              kv_parallel_size=args.kvp, attention_sharding=args.attention_sharding, all_reduce=args.all_reduce,
+              max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.max_tokens + 16,
+              kv_cache_memory=args.kv_cache_memory)
     vocab = llm.engine.config.model_config.vocab_size
     llm.generate([{"prompt_token_ids": [5] * 16}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     rows = [_decode(llm, b, args.prompt_len, args.max_tokens, vocab) for b in args.batches]
@@ -62,21 +74,33 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prompt_len: int,
-        max_tokens: int, all_reduce: str = "auto") -> list[dict]:
-    """The decode rows of one configuration, each rank on `threads` threads."""
+        max_tokens: int, all_reduce: str = "auto", kvp: int = 1, attention_sharding: str = "heads",
+        kv_cache_memory: int | None = None) -> list[dict]:
+    """The decode rows of one configuration (tp x kvp ranks), each rank on `threads` threads."""
     from loom.bench.servers import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        args = ["--model", str(model), "--dtype", dtype, "--tp", str(tp), "--threads", str(threads), "--batches",
-                *map(str, batches), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--all-reduce", all_reduce, "--out", str(out)]
+        args = ["--model", str(model), "--dtype", dtype, "--tp", str(tp), "--kvp", str(kvp), "--attention-sharding",
+                attention_sharding, "--threads", str(threads), "--batches", *map(str, batches), "--prompt-len",
+                str(prompt_len), "--max-tokens", str(max_tokens), "--all-reduce", all_reduce, "--out", str(out)]
+        if kv_cache_memory is not None:
+            args += ["--kv-cache-memory", str(kv_cache_memory)]
         launcher = [sys.executable]
-        if tp > 1:
-            launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-                         "--master-port", str(free_port())]
+        if tp * kvp > 1:
+            launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp * kvp), "--master-addr",
+                         "127.0.0.1", "--master-port", str(free_port())]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         subprocess.run([*launcher, "-m", "loom.bench.tp", *args], check=True, env=env)
         return json.loads(out.read_text())
+
+
+def long_context_mqa_model() -> Path:
+    """The 134M reference Llama with one KV head (multi-query) and 4096 positions."""
+    from loom.models.reference import REFERENCE_134M, reference_model_dir
+
+    return reference_model_dir(REFERENCE_134M | {"num_key_value_heads": 1, "max_position_embeddings": 4096},
+                               name="ref-134m-mqa-4k")
 
 
 def planner_bytes(model: Path, dtype: str, tp: int, batch: int) -> dict[str, float]:
@@ -99,6 +123,9 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)
     p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--kvp", type=int, default=1)
+    p.add_argument("--attention-sharding", default="heads")
+    p.add_argument("--kv-cache-memory", type=int, default=None)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--batches", type=int, nargs="+", required=True)
     p.add_argument("--prompt-len", type=int, required=True)

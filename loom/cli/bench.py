@@ -68,6 +68,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sizes(tp, prompt_len=128, max_tokens=64)
     tp.set_defaults(func=_tp)
 
+    lay = sub.add_parser("layouts", help="long-context decode on 2 ranks: tensor parallel by heads, Helix KV "
+                                         "parallel, attention by batch (a multi-query model)")
+    common(lay)
+    lay.add_argument("--dtype", default="bfloat16")
+    lay.add_argument("--batches", type=int, nargs="+", default=[4])
+    sizes(lay, prompt_len=3584, max_tokens=32)
+    lay.set_defaults(func=_layouts)
+
     lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
     common(lt)
     decode_run(lt, batches=[1, 8], max_tokens=128)
@@ -426,6 +434,36 @@ def _tp(args: argparse.Namespace) -> None:
     labels = [f"{short[label]}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
     bar_plot(path.with_suffix(".png"), f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 "
              "tensor-parallel ranks", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
+             "ms per decode step")
+    print(f"wrote {path}")
+
+
+def _layouts(args: argparse.Namespace) -> None:
+    from loom.bench import tp
+    from loom.bench.report import bar_plot, write_report
+
+    if args.threads % 2:
+        raise ValueError(f"--threads: {args.threads} cores cannot be split over 2 ranks")
+    model = Path(args.model) if args.model else tp.long_context_mqa_model()
+    per_rank = args.threads // 2
+    # label -> (plot label, layout)
+    configs = {f"1 process x {args.threads} threads": ("1 process", dict(tp=1, threads=args.threads)),
+               "tensor parallel 2 by heads (the KV head replicated)": ("TP 2\nby heads", dict(tp=2, threads=per_rank)),
+               "Helix KVP 2 (KV split by position)": ("Helix\nKVP 2", dict(tp=1, kvp=2, threads=per_rank)),
+               "tensor parallel 2, attention by batch": ("TP 2\nby batch",
+                                                         dict(tp=2, attention_sharding="batch", threads=per_rank))}
+    results = {}
+    for label, (_, layout) in configs.items():
+        results[label] = tp.run(model, args.dtype, batches=args.batches, prompt_len=args.prompt_len,
+                                max_tokens=args.max_tokens, **layout)
+        for row in results[label]:
+            print(f"{label}, batch {row['batch']}: {row['ms_per_step']:.2f} ms/step, rank 0 KV "
+                  f"{row['rank0_kv_bytes'] / 2**20:.1f} MiB, bytes/step {row['bytes_per_step'] or '-'}", flush=True)
+    path = write_report("layouts", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
+                                    "max_tokens": args.max_tokens, "results": results}, args.out_dir)
+    labels = [f"{configs[label][0]}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
+    bar_plot(path.with_suffix(".png"), f"decode at context {args.prompt_len}, {args.dtype}, multi-query model: "
+             "layouts on 2 ranks", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
              "ms per decode step")
     print(f"wrote {path}")
 
