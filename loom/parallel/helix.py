@@ -85,13 +85,17 @@ class HelixAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         out, lse = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, "cpp")
         kvp, (tokens, heads, head_dim) = self.state.kvp_size, out.shape
-        # One message: the outputs (in fp32, for the merge) and their log-sum-exps, by head slice.
-        packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
-        packed = packed.view(tokens, kvp, heads // kvp, head_dim + 1).transpose(0, 1).contiguous()
+        # One message, by head slice: the outputs as the kernel wrote them, then the bits of their
+        # fp32 log-sum-exps in as many elements of the outputs' type (a bf16 lse would be too coarse).
+        packed = torch.cat([out, lse.unsqueeze(-1).view(out.dtype)], dim=-1)
+        packed = packed.view(tokens, kvp, heads // kvp, -1).transpose(0, 1).contiguous()
         parts = comm.all_to_all(packed, self.state.kvp.group, self.state.kvp.shm_group)
-        return merge_partials(parts[..., :head_dim], parts[..., head_dim]).to(q.dtype)
+        lses = parts[..., head_dim:].contiguous().view(torch.float32).squeeze(-1)
+        return merge_partials(parts[..., :head_dim].float(), lses).to(q.dtype)
 
 
-def helix_attention_bytes(num_tokens: int, num_heads: int, head_dim: int, state: ParallelState) -> int:
-    """Bytes each rank puts into one layer's all-to-all for `num_tokens` tokens."""
-    return num_tokens * (num_heads // state.tpa_size) * (head_dim + 1) * 4
+def helix_attention_bytes(num_tokens: int, num_heads: int, head_dim: int, itemsize: int,
+                          state: ParallelState) -> int:
+    """Bytes each rank puts into one layer's all-to-all for `num_tokens` tokens: each head's output
+    and its fp32 log-sum-exp."""
+    return num_tokens * (num_heads // state.tpa_size) * (head_dim * itemsize + 4)

@@ -140,11 +140,10 @@ def _shared_memory_groups(choice: str, device: torch.device,
     from loom.kernels import load_kernels
 
     load_kernels()
-    # A name for the world's group and for each part of each partition.
-    names = [f"/loom-{uuid.uuid4().hex}"] if rank == 0 else None
-    holder = [names]
+    # One name for the world's group, suffixed for each part of each partition.
+    holder = [f"/loom-{uuid.uuid4().hex}" if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
-    base = holder[0][0]
+    base = holder[0]
     everyone = torch.ops.loom.shm_open_group(base, rank, world, SHM_SLOT_BYTES)
     names, mine = [base], []
     for i, partition in enumerate(partitions):

@@ -271,8 +271,8 @@ def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState
         counts += [(kind, calls * cfg.num_layers, nbytes * cfg.num_layers) for kind, calls, nbytes in
                    ffn_2d_collectives(num_tokens, cfg.hidden_size, cfg.intermediate_size, dtype.itemsize, state)]
     if state.kvp_size > 1:
-        counts.append(("all_to_all", cfg.num_layers,
-                       cfg.num_layers * helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, state)))
+        per_layer = helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, dtype.itemsize, state)
+        counts.append(("all_to_all", cfg.num_layers, cfg.num_layers * per_layer))
     elif state.batch_sharded:
         kv_heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, state.tp_rank)[1]
         counts.append(("all_to_all", 2 * cfg.num_layers,
