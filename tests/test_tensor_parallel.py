@@ -1,6 +1,7 @@
-"""Tensor parallelism over torch.distributed (gloo): the same greedy tokens on 2 ranks as in one
-process, with prefix caching, chunked prefill and preemption active; sizes that cannot be split
-fail before any weight loads."""
+"""Partitioned execution over torch.distributed (gloo): the same greedy tokens as one process on
+2 tensor-parallel ranks, with attention sharded by batch, with Helix's 2 KV ranks (and 2 x 2),
+and with the 2D weight-stationary FFN on 2 x 2, with prefix caching, chunked prefill and
+preemption active; sizes that cannot be split fail before any weight loads."""
 from __future__ import annotations
 
 import dataclasses
