@@ -396,7 +396,7 @@ def _parallel(args: argparse.Namespace) -> None:
 
 def _tp(args: argparse.Namespace) -> None:
     from loom.bench import tp
-    from loom.bench.report import bar_plot, write_report
+    from loom.bench.report import write_report
 
     model, _ = _setup(args)
     if args.threads % 2:
@@ -431,16 +431,23 @@ def _tp(args: argparse.Namespace) -> None:
                                             "comparison": comparison}, args.out_dir)
     short = {label: label.replace(" x ", "\nx ").replace(", ", "\n").replace("shared memory", "shared\nmemory")
              for label in results}
+    _plot_step_times(path, f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 tensor-parallel "
+                     "ranks", short, results)
+
+
+def _plot_step_times(path: Path, title: str, short: dict[str, str], results: dict[str, list[dict]]) -> None:
+    """A bar per configuration (`short` names it on the plot) and batch: ms per decode step."""
+    from loom.bench.report import bar_plot
+
     labels = [f"{short[label]}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
-    bar_plot(path.with_suffix(".png"), f"decode, {args.dtype}, prompt {args.prompt_len}: one process vs 2 "
-             "tensor-parallel ranks", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
+    bar_plot(path.with_suffix(".png"), title, labels, [row["ms_per_step"] for rows in results.values() for row in rows],
              "ms per decode step")
     print(f"wrote {path}")
 
 
 def _layouts(args: argparse.Namespace) -> None:
     from loom.bench import tp
-    from loom.bench.report import bar_plot, write_report
+    from loom.bench.report import write_report
 
     if args.threads % 2:
         raise ValueError(f"--threads: {args.threads} cores cannot be split over 2 ranks")
@@ -461,11 +468,8 @@ def _layouts(args: argparse.Namespace) -> None:
                   f"{row['rank0_kv_bytes'] / 2**20:.1f} MiB, bytes/step {row['bytes_per_step'] or '-'}", flush=True)
     path = write_report("layouts", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
                                     "max_tokens": args.max_tokens, "results": results}, args.out_dir)
-    labels = [f"{configs[label][0]}\nbatch {row['batch']}" for label, rows in results.items() for row in rows]
-    bar_plot(path.with_suffix(".png"), f"decode at context {args.prompt_len}, {args.dtype}, multi-query model: "
-             "layouts on 2 ranks", labels, [row["ms_per_step"] for rows in results.values() for row in rows],
-             "ms per decode step")
-    print(f"wrote {path}")
+    _plot_step_times(path, f"decode at context {args.prompt_len}, {args.dtype}, multi-query model: layouts on 2 "
+                     "ranks", {label: short for label, (short, _) in configs.items()}, results)
 
 
 def _quality(args: argparse.Namespace) -> None:

@@ -33,12 +33,11 @@ class WeightStationary2DMLP(nn.Module):
     reduce-scatter along X hands rank x matching gate and up pieces), input columns E_x; down
     holds rows E_x, input columns F_yz."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module, hidden_size: int, state: ParallelState) -> None:
+    def __init__(self, gate_up: nn.Module, down: nn.Module, columns: slice, state: ParallelState) -> None:
         super().__init__()
         self.gate_up_proj, self.down_proj, self.state = gate_up, down, state
+        self.columns = columns  # this rank's E/X of the model dimension
         x, yz = state.ffn_x.size, state.ffn_yz.size
-        width = hidden_size // x
-        self.columns = slice(state.ffn_x.rank * width, (state.ffn_x.rank + 1) * width)
         # Rank (x', yz') ends with chunk x' * YZ + yz' of the model dimension: where each chunk is.
         self.chunk_ranks = [(k % yz) * x + k // yz for k in range(x * yz)]
 
@@ -55,18 +54,19 @@ class WeightStationary2DMLP(nn.Module):
         return chunks[self.chunk_ranks].transpose(0, 1).reshape(tokens, -1)
 
 
-def ffn_2d_rows(intermediate_size: int, state: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of the merged gate_up weight, input columns of down) rank (x, yz) keeps, in the
-    order WeightStationary2DMLP wants."""
+def ffn_2d_cuts(hidden_size: int, intermediate_size: int, state: ParallelState) -> tuple[torch.Tensor, slice, slice]:
+    """What rank (x, yz) keeps: the rows of the merged gate_up weight, in the order
+    WeightStationary2DMLP wants; its slice of the model dimension (gate_up's input columns,
+    down's rows); its slice of the FFN dimension (down's input columns)."""
     x, yz = state.ffn_x.size, state.ffn_yz.size
-    per_yz = intermediate_size // yz
-    piece = per_yz // x
-    first = state.ffn_yz.rank * per_yz
+    width, per_yz = hidden_size // x, intermediate_size // yz
+    piece, first = per_yz // x, state.ffn_yz.rank * per_yz
     rows = []
     for i in range(x):
         start = first + i * piece
         rows += [torch.arange(start, start + piece), intermediate_size + torch.arange(start, start + piece)]
-    return torch.cat(rows), torch.arange(first, first + per_yz)
+    model_dim = slice(state.ffn_x.rank * width, (state.ffn_x.rank + 1) * width)
+    return torch.cat(rows), model_dim, slice(first, first + per_yz)
 
 
 def ffn_2d_collectives(num_tokens: int, hidden_size: int, intermediate_size: int, itemsize: int,

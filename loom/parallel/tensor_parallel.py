@@ -34,7 +34,7 @@ from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
 from loom.parallel import comm
 from loom.parallel.batch_attention import BatchShardedAttention, batch_attention_bytes
-from loom.parallel.ffn_2d import WeightStationary2DMLP, ffn_2d_collectives, ffn_2d_rows
+from loom.parallel.ffn_2d import WeightStationary2DMLP, ffn_2d_collectives, ffn_2d_cuts
 from loom.parallel.helix import HelixAttention, helix_attention_bytes
 from loom.parallel.state import ParallelState
 
@@ -198,14 +198,11 @@ def shard_llama(model: LlamaForCausalLM, state: ParallelState) -> None:
 
 def _mlp_2d(mlp: nn.Module, cfg: ModelConfig, state: ParallelState, i: int) -> WeightStationary2DMLP:
     """A Llama MLP cut to this rank's blocks of PaLM's 2D weight-stationary layout."""
-    gate_up_rows, down_columns = ffn_2d_rows(cfg.intermediate_size, state)
-    width = cfg.hidden_size // state.ffn_x.size
-    model_dim = slice(state.ffn_x.rank * width, (state.ffn_x.rank + 1) * width)
-    columns = slice(int(down_columns[0]), int(down_columns[-1]) + 1)
+    gate_up_rows, model_dim, ffn_dim = ffn_2d_cuts(cfg.hidden_size, cfg.intermediate_size, state)
     gate_up = keep_columns(keep_rows(mlp.gate_up_proj, gate_up_rows), model_dim, f"layers.{i}.mlp.gate_up_proj", state)
-    down = keep_columns(keep_rows(mlp.down_proj, torch.arange(model_dim.start, model_dim.stop)), columns,
+    down = keep_columns(keep_rows(mlp.down_proj, torch.arange(model_dim.start, model_dim.stop)), ffn_dim,
                         f"layers.{i}.mlp.down_proj", state)
-    return WeightStationary2DMLP(gate_up, down, cfg.hidden_size, state)
+    return WeightStationary2DMLP(gate_up, down, model_dim, state)
 
 
 def _vocab_parallel(embedding: nn.Embedding, head: Layer, cfg: ModelConfig,
