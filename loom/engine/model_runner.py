@@ -25,6 +25,7 @@ from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, P
 from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.scores import row_key
 from loom.kv.swap import SwapSpace
+from loom.layers.linear import panel_kernels_available
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
@@ -107,12 +108,15 @@ class ModelRunner:
         # alone (see _private_forward), so Dynamo need not guard its modules and parameters:
         # about a thousand checks, half a millisecond per step. Compiling needs every op of a
         # decode step to be traceable: the C++ attention is, the reference attention (a Python
-        # loop over sequences) is not.
+        # loop over sequences) is not. Where the linear layers are torch's GEMMs (no panel
+        # kernels on this CPU), inductor's pattern passes would fold a residual add into the GEMM
+        # before its output is rounded (addmm): they stay off, so bf16 steps round as eager's.
         self.decode_forward = None
         if not config.enforce_eager and config.attention_backend == "cpp":
             self.decode_forward = torch.compile(
                 _private_forward(self.model), fullgraph=True,
                 options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True,
+                         "pattern_matcher": panel_kernels_available(self.device),
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._compile_decode_graphs()
 

@@ -34,8 +34,8 @@ def load_crossover(method: str) -> int:
     load_kernels()
     if not torch.ops.loom.linear_vectorized():
         # Without AVX512-BF16 the weight-only kernels are plain loops, far slower than any GEMM.
-        logger.warning("this CPU lacks AVX512-BF16: quantized layers dequantize to bf16 at every step "
-                       "(run `loom quantize --calibrate` to measure instead)")
+        logger.warning("this CPU lacks AVX512-BF16: quantized layers dequantize at every step (run `loom "
+                       "quantize --calibrate` to measure instead)")
         return 0
     return DEFAULT_CROSSOVER[method]
 

@@ -30,6 +30,11 @@ class WeightOnlyLinear(nn.Module):
         self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
+        # The dequantized GEMM's dtype: bf16 where the CPU multiplies it natively (AVX-512 BF16),
+        # else the activations' own (None): elsewhere torch's bf16 GEMM converts to fp32 inside
+        # and ran 3-7x slower than fp32 from 16 tokens on (AVX2), and rounding an fp32 model's
+        # activations and outputs to bf16 would only lose precision.
+        self.gemm_dtype: torch.dtype | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int, crossover: int) -> "WeightOnlyLinear":
@@ -46,6 +51,7 @@ class WeightOnlyLinear(nn.Module):
         """The portable form: int8 q [N, K] with fp32 scales [N]; or int4 values 0..15 as
         uint8 [N, K] with scales and zeros [N, K/G]."""
         load_kernels()
+        self.gemm_dtype = torch.bfloat16 if torch.ops.loom.linear_vectorized() else None
         # The packers write fresh, aligned tensors: a checkpoint's can sit at any offset of its buffer.
         if self.method == "int8":
             self.q = pack_int8_for_kernel(q)
@@ -77,13 +83,15 @@ class WeightOnlyLinear(nn.Module):
         return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size, self.out_features)
 
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize straight to bf16 (C++, no fp32 copy of the matrix), then a bf16 GEMM."""
+        """Dequantize straight to bf16 (C++, no fp32 copy of the matrix), then a GEMM in
+        `gemm_dtype`."""
         if self.method == "int8":
             w = torch.ops.loom.int8_dequantize(self.q, self.scales, self.in_features)
         else:
             w = torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features,
                                                self.out_features)
-        return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+        dtype = self.gemm_dtype or x.dtype
+        return torch.nn.functional.linear(x.to(dtype), w.to(dtype)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
