@@ -115,6 +115,9 @@ class ParallelConfig:
     # both the model and the FFN dimension over a grid of X x YZ ranks, X the largest divisor
     # of the world size at most its square root)
     ffn_layout: str = "1d"
+    # Helix's HOP-B: attention in items (decode halves, prefill chunks), each item's all-to-all
+    # overlapped with the next item's attention
+    hop_b: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "kv_parallel_size"):
@@ -131,6 +134,8 @@ class ParallelConfig:
                                         or self.attention_sharding != "heads"):
             raise ValueError(f"ffn_layout: '2d' needs a grid of at least 2 x 2 tensor-parallel ranks (here "
                              f"{self.world_size} ranks), without kv_parallel_size or attention_sharding='batch'")
+        if self.hop_b and self.kv_parallel_size == 1:
+            raise ValueError("hop_b: overlaps Helix's all-to-all; it needs kv_parallel_size > 1")
         if self.attention_sharding == "batch" and self.kv_parallel_size > 1:
             raise ValueError("attention_sharding: 'batch' shards attention over the tensor-parallel ranks; it does "
                              "not combine with kv_parallel_size > 1")
@@ -216,6 +221,14 @@ class EngineConfig:
             raise ValueError("preemption_mode: swap does not run with the KV cache split over ranks "
                              "(kv_parallel_size > 1 or attention_sharding='batch') yet; use 'recompute'")
         check_kv_policy_ranks(self.cache.kv_policy, self.parallel.world_size, self.parallel.shards_kv)
+        if self.parallel.hop_b:
+            from loom.parallel.helix import max_item_rows  # (it imports this module)
+
+            m, tpa = self.model_config, self.parallel.tensor_parallel_size
+            rows = max_item_rows(m.num_heads // tpa, m.head_dim, self.dtype.itemsize)
+            if self.scheduler.max_num_seqs - self.scheduler.max_num_seqs // 2 > rows:
+                raise ValueError(f"max_num_seqs: hop_b exchanges half of a step's decodes at once, and one exchange "
+                                 f"carries at most {rows} rows of this model's heads; use max_num_seqs <= {2 * rows}")
         if self.quantization is not None and self.model_config.quantization is not None:
             raise ValueError(f"quantization: {self.model} is already quantized "
                              f"({self.model_config.quantization['method']}); load it without quantization=")

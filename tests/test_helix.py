@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from loom.kernels import load_kernels
-from loom.kv.attention import AttentionMetadata, PrefillSegment, paged_attention
+from loom.kv.attention import AttentionMetadata, PrefillSegment, attend, paged_attention
 from loom.kv.block_manager import BlockManager
 from loom.kv.cache import KVCache
-from loom.parallel.helix import local_token_counts, merge_partials, shard_block_pairs, shard_metadata
+from loom.parallel.helix import (item_metadata, local_token_counts, merge_partials, overlap_items, shard_block_pairs,
+                                 shard_metadata)
 from tests.test_attention import dense_attention
 
 
@@ -110,3 +111,22 @@ def test_partial_attention_over_shards_merges_to_the_full_one(size, dtype):
                           dense_attention(q[26:], ks[3], vs[3], causal_offset=0)])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(merged, expected, atol=tol, rtol=tol)
+
+    # HOP-B attends item by item (the decode halves, the prefill chunk cut to 10 rows): the same
+    # partial outputs and log-sum-exps, row for row.
+    items = overlap_items(2, [24, 5], 10)
+    assert items == [(0, 1), (1, 1), (2, 10), (12, 10), (22, 4), (26, 5)]
+    for rank, cache in enumerate(caches):
+        local = shard_metadata(meta, rank, size, bs, per_shard)
+        pieces = [attend(q[first:first + rows], cache, 0, item_metadata(local, first, rows), head_dim ** -0.5, "cpp")
+                  for first, rows in items]
+        torch.testing.assert_close(torch.cat([out for out, _ in pieces]), parts[rank][0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.cat([lse for _, lse in pieces]), parts[rank][1], atol=1e-6, rtol=0)
+
+
+def test_overlap_items():
+    """HOP-B's items: one decode alone, or the decodes in two halves, then each prefill chunk in
+    pieces of at most max_rows rows."""
+    assert overlap_items(1, [], 8) == [(0, 1)]
+    assert overlap_items(7, [], 2) == [(0, 3), (3, 4)]  # the halves are not cut (compiled graphs)
+    assert overlap_items(0, [3, 17], 8) == [(0, 3), (3, 8), (11, 8), (19, 1)]

@@ -1,5 +1,6 @@
 """Partitioned execution over torch.distributed (gloo): the same greedy tokens as one process on
-2 tensor-parallel ranks, with attention sharded by batch, with Helix's 2 KV ranks (and 2 x 2),
+2 tensor-parallel ranks, with attention sharded by batch, with Helix's 2 KV ranks (and 2 x 2,
+and with HOP-B's overlapped all-to-alls),
 and with the 2D weight-stationary FFN on 2 x 2, with prefix caching, chunked prefill and
 preemption active; sizes that cannot be split fail before any weight loads."""
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_va
 
 
 def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, blocks: int = 24,
-             ffn_layout: str = "1d", **options) -> dict:
+             ffn_layout: str = "1d", hop_b: bool = False, **options) -> dict:
     """One process against tp x kvp ranks (2 tensor-parallel ones by default), whose pools hold
     as many blocks in all as the one process's (so both schedule alike, preempting): the same
     tokens. With `near_tie`, a generation may part from one process's where that one's two
@@ -77,6 +78,7 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2
     port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
     parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp, "ffn_layout": ffn_layout,
+                                    "hop_b": hop_b,
                                     "kv_cache_memory": pool_bytes(rank_heads, tp if by_batch else kvp)},
                          [["--nproc-per-node", str(tp * kvp), "--master-addr", "127.0.0.1", "--master-port", port]],
                          **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
@@ -174,15 +176,28 @@ def test_helix_two_kv_ranks_by_two_tensor_ranks(hf_models, tmp_path, name):
     _compare(tmp_path, hf_models(name)[0], tp=2, kvp=2)
 
 
-@pytest.mark.parametrize("options", [dict(enforce_eager=False), dict(all_reduce="process_group")],
-                         ids=["compiled", "gloo"])
+@pytest.mark.parametrize("options", [dict(enforce_eager=False, hop_b=True), dict(all_reduce="process_group")],
+                         ids=["compiled_hop_b", "gloo"])
 def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
-    """Helix's all-to-all inside the compiled decode graphs, and through gloo (all_to_all_single)."""
+    """Helix inside the compiled decode graphs (with HOP-B: the started and finished halves of
+    each item's all-to-all, kept in order around the next item's attention), and through gloo
+    (all_to_all_single)."""
     _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
 
 
-@pytest.mark.parametrize("tp,kvp,options", [(2, 1, {}), (1, 2, {}), (2, 1, BY_BATCH), (4, 1, dict(ffn_layout="2d"))],
-                         ids=["tensor", "helix", "batch", "ffn_2d"])
+@pytest.mark.parametrize("options", [{}, dict(all_reduce="process_group")], ids=["shared_memory", "gloo"])
+def test_helix_hop_b(gqa, tmp_path, options):
+    """HOP-B: each step's attention in items (decode halves, prefill chunks), each item's
+    all-to-all started before the next item's attention and finished after it, through shared
+    memory and through gloo (compiled: above): the same tokens as one process, with an
+    all-to-all per item and layer, more than one per layer."""
+    calls = _compare(tmp_path, gqa[0], tp=1, kvp=2, hop_b=True, **options)["stats"]["collective_calls"]
+    assert calls["all_to_all"] > ModelConfig.from_dir(gqa[0]).num_layers * calls["broadcast"] // 2
+
+
+@pytest.mark.parametrize("tp,kvp,options", [(2, 1, {}), (1, 2, {}), (2, 2, {}), (2, 1, BY_BATCH),
+                                            (4, 1, dict(ffn_layout="2d"))],
+                         ids=["tensor", "helix", "helix_2x2", "batch", "ffn_2d"])
 def test_parallel_int8(tmp_path, tp, kvp, options):
     """int8 layers quantize activations in groups of 64 inputs. With each rank's share of every
     split input a multiple of 64 (8 heads of 16 over 2 ranks and an FFN of 256; on 4 ranks, heads
@@ -218,6 +233,32 @@ for dtype in (torch.float32, torch.bfloat16):
         pieces = torch.stack([(base * (state.rank + 1) * (j + 1)).to(dtype) for j in range(2)])
         got = torch.ops.loom.shm_all_to_all(pieces, state.shm_group)
         assert torch.equal(got, torch.stack([(base * (r + 1) * (state.rank + 1)).to(dtype) for r in range(2)]))
+# The all-to-all in halves, as HOP-B runs it (two unfinished at most), through shared memory and
+# through gloo, between synchronous collectives; rank 1 lags so that rank 0's waits really wait.
+import time
+from loom.parallel import comm
+def message(k):
+    return torch.stack([torch.full((5, 3), 100.0 * k + 10 * state.rank + j) for j in range(2)])
+def expected(k):
+    return torch.stack([torch.full((5, 3), 100.0 * k + 10 * r + state.rank) for r in range(2)])
+for shm in (state.shm_group, None):
+    first = comm.all_to_all_start(message(1), dist.group.WORLD, shm)
+    if state.rank == 1:
+        time.sleep(0.2)
+    second = comm.all_to_all_start(message(2), dist.group.WORLD, shm)
+    if shm is not None:  # a third before the first is finished, or finishing out of order: refused
+        for call in (lambda: torch.ops.loom.shm_all_to_all_start(message(3), shm),
+                     lambda: torch.ops.loom.shm_all_to_all_wait(second[0], second[1], shm, [])):
+            try:
+                call()
+                raise AssertionError("not refused")
+            except RuntimeError as error:
+                assert "unfinished" in str(error) or "out of order" in str(error), error
+    assert torch.equal(comm.all_to_all_wait(first, [], shm), expected(1))
+    third = comm.all_to_all_start(message(3), dist.group.WORLD, shm)
+    assert torch.equal(comm.all_to_all_wait(second, [], shm), expected(2))
+    assert torch.equal(comm.all_to_all_wait(third, [], shm), expected(3))
+    assert torch.equal(torch.ops.loom.shm_all_reduce(torch.ones(7), state.shm_group), torch.full((7,), 2.0))
 print("sums ok")
 """
 
@@ -361,6 +402,22 @@ def test_bad_parallel_options_name_the_field():
         ParallelConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="attention_sharding"):
         ParallelConfig(attention_sharding="rows")
+    with pytest.raises(ValueError, match="hop_b: .* needs kv_parallel_size > 1"):
+        ParallelConfig(tensor_parallel_size=2, hop_b=True)
+
+
+def test_hop_b_refuses_decode_halves_beyond_one_message(gqa):
+    """HOP-B sends half of a step's decodes in one message: a max_num_seqs whose half would not
+    fit is refused before anything loads, naming the field and the largest that fits."""
+    from loom.config import EngineConfig, SchedulerConfig
+    from loom.parallel.helix import max_item_rows
+
+    m = ModelConfig.from_dir(gqa[0])
+    rows = max_item_rows(m.num_heads, m.head_dim, 4)
+    parallel = ParallelConfig(kv_parallel_size=2, hop_b=True)
+    with pytest.raises(ValueError, match=f"max_num_seqs: .* use max_num_seqs <= {2 * rows}"):
+        EngineConfig(model=str(gqa[0]), parallel=parallel, scheduler=SchedulerConfig(max_num_seqs=2 * rows + 1))
+    EngineConfig(model=str(gqa[0]), parallel=parallel, scheduler=SchedulerConfig(max_num_seqs=2 * rows))
 
 
 def test_world_size_is_checked_before_loading(gqa, monkeypatch):

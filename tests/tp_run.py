@@ -51,6 +51,7 @@ def count_collectives() -> dict:
     comm.all_reduce = counted("all_reduce", comm.all_reduce)  # shared memory or gloo
     comm.gather_to_driver = counted("gather", comm.gather_to_driver)
     comm.all_to_all = counted("all_to_all", comm.all_to_all)
+    comm.all_to_all_start = counted("all_to_all", comm.all_to_all_start)  # HOP-B's, finished by a wait
     comm.reduce_scatter = counted("reduce_scatter", comm.reduce_scatter)
     comm.all_gather = counted("all_gather", comm.all_gather)
     dist.broadcast = counted("broadcast", dist.broadcast)

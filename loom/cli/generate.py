@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch: each tensor-parallel rank keeps its own sequences' KV cache, every head of it")
     p.add_argument("--ffn-layout", default="1d", choices=["1d", "2d"],
                    help="2d: PaLM's 2D weight-stationary FFN over a grid of the ranks (4 or more)")
+    p.add_argument("--hop-b", action="store_true",
+                   help="Helix: overlap each item's all-to-all with the next item's attention (HOP-B)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -62,7 +64,7 @@ def _build(args: argparse.Namespace):
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile,
               tensor_parallel_size=args.tensor_parallel_size, kv_parallel_size=args.kv_parallel_size,
-              attention_sharding=args.attention_sharding, ffn_layout=args.ffn_layout)
+              attention_sharding=args.attention_sharding, ffn_layout=args.ffn_layout, hop_b=args.hop_b)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)

@@ -30,7 +30,7 @@ from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
 from loom.parallel.batch_attention import rows_by_rank, shard_batch_metadata
-from loom.parallel.helix import shard_block_pairs, shard_metadata
+from loom.parallel.helix import helix_items, shard_block_pairs, shard_metadata
 from loom.parallel.state import ParallelState, init_parallel
 from loom.parallel.step import CollectiveStats, LockStepError, broadcast_step
 from loom.parallel.tensor_parallel import local_kv_heads, model_collectives
@@ -261,11 +261,13 @@ class ModelRunner:
     def _count_collectives(self, inputs: StepInputs, broadcast_bytes: int) -> None:
         self.collectives.add("broadcast", 2, 8 + broadcast_bytes)  # the size, then the pickled inputs
         logit_rows = ([len(inputs.sample_rows)] if inputs.sample_rows else []) + [n for _, n in inputs.prompt_logit_rows]
-        rows_per_rank = 0
+        rows_per_rank, items = 0, 1
         if self.parallel.batch_sharded:
             rows_per_rank = max(1, max(map(len, rows_by_rank(inputs.meta, self.kv_shards))))
+        if self.parallel.hop_b:
+            items = len(helix_items(inputs.meta, self.model.config, self.dtype, self.parallel))
         for kind, calls, nbytes in model_collectives(self.model.config, self.dtype, self.parallel,
-                                                     inputs.input_ids.numel(), logit_rows, rows_per_rank):
+                                                     inputs.input_ids.numel(), logit_rows, rows_per_rank, items):
             self.collectives.add(kind, calls, nbytes)
 
     def _run(self, inputs: StepInputs) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ eager calls cost no Python.
   linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
   shm_open_group, shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_all_to_all  the
                           collectives between the processes of one machine, through shared
-                          memory (shm_all_reduce.cpp), for parallel ranks
+                          memory (shm_all_reduce.cpp), for parallel ranks; the all-to-all
+                          also in two halves (shm_all_to_all_start / _wait), to overlap it
 """
 from __future__ import annotations
 
@@ -80,6 +81,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::shm_all_to_all")
     def _(x, group):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("loom::shm_all_to_all_start")
+    def _(x, group):
+        return x.new_empty((), dtype=torch.long)
+
+    @torch.library.register_fake("loom::shm_all_to_all_wait")
+    def _(ticket, x, group, after):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("loom::shm_reduce_scatter")
     def _(x, group):

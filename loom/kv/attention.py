@@ -168,6 +168,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q [T, H, D], k/v [T, KVH, D] for the packed step -> attention output [T, H, D], and its
     log-sum-exp [T, H] from the C++ backend."""
     cache.write(layer, k, v, meta.slot_mapping)
+    return attend(q, cache, layer, meta, scale, backend)
+
+
+def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata, scale: float,
+           backend: str) -> Attended:
+    """The attention of the packed rows q [T, H, D] whose k/v are already in the cache."""
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if backend == "cpp" else None
     nd = meta.num_decode_tokens

@@ -22,6 +22,26 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None)
     return funcol.all_to_all_single(x, None, None, group)
 
 
+def all_to_all_start(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None) -> tuple[torch.Tensor, ...]:
+    """Starts `all_to_all(x, ...)` and returns at once, for `all_to_all_wait` to finish after other
+    work. Shared memory holds at most two unfinished exchanges of a group: finish one before
+    starting a third. x must fit one shared-memory slot."""
+    if shm_group is not None:
+        return torch.ops.loom.shm_all_to_all_start(x, shm_group), x
+    splits = [x.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
+    return (torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group.group_name),)
+
+
+def all_to_all_wait(started: tuple[torch.Tensor, ...], after: list[torch.Tensor],
+                    shm_group: int | None) -> torch.Tensor:
+    """The result of a started all-to-all, waited for after the tensors `after` (a compiled graph
+    could otherwise move the wait before the work meant to hide it)."""
+    if shm_group is not None:
+        ticket, x = started
+        return torch.ops.loom.shm_all_to_all_wait(ticket, x, shm_group, after)
+    return torch.ops._c10d_functional.wait_tensor(started[0])
+
+
 def gather_to_driver(x: torch.Tensor, group: dist.ProcessGroup, shm_group: int | None, rank: int,
                      world: int) -> list[torch.Tensor] | None:
     """Every rank's `x` (same shapes), in rank order, on rank 0; None on the others."""

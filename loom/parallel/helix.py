@@ -15,6 +15,12 @@ rank r owning heads [r H/N, (r+1) H/N), the slice the all-to-all left it.
 Rank 0 schedules for the whole pool: a global block b lives on KVP rank b % KVP at local index
 b // KVP. Each rank turns a step's global metadata into its own here: its blocks, its token
 counts, and slots whose tokens live elsewhere pointed at a spare block no one reads.
+
+HOP-B (`hop_b`) cuts the step into items, attends item by item and starts each item's
+all-to-all as soon as its partial outputs exist, finishing the one before only after the next
+item's attention: each exchange waits behind useful work instead of in front of it. The items
+are the decode rows in two halves and each prefill chunk, every one cut to what one message
+carries (`overlap_items`).
 """
 from __future__ import annotations
 
@@ -23,10 +29,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from loom.kv.attention import AttentionMetadata, PagedAttention, PrefillSegment, paged_attention
+from loom.kv.attention import AttentionMetadata, PagedAttention, PrefillSegment, attend, paged_attention
 from loom.kv.cache import KVCache
+from loom.models.config import ModelConfig
 from loom.parallel import comm
-from loom.parallel.state import ParallelState
+from loom.parallel.state import SHM_SLOT_BYTES, ParallelState
 
 
 def local_token_counts(context_lens: torch.Tensor, rank: int, size: int, block_size: int) -> torch.Tensor:
@@ -73,25 +80,85 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs).sum(0) / weights.sum(0).unsqueeze(-1)
 
 
+def overlap_items(num_decode: int, prefill_rows: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """HOP-B's items as (first row, rows) of the packed step: the decode rows in two halves (one
+    item for a single decode), then each prefill chunk, every item at most `max_rows` rows. The
+    halves are not cut further, so a compiled decode graph serves every batch size; a step whose
+    half would exceed `max_rows` is refused where the engine is configured."""
+    half = num_decode // 2
+    items = [(0, num_decode)] if num_decode == 1 else [(0, half), (half, num_decode - half)]
+    start = num_decode
+    for rows in prefill_rows:
+        items += [(start + a, min(max_rows, rows - a)) for a in range(0, rows, max_rows)]
+        start += rows
+    return [item for item in items if item[1] > 0]
+
+
+def max_item_rows(heads: int, head_dim: int, itemsize: int) -> int:
+    """Rows of `heads` partial outputs (and their fp32 log-sum-exps) that one message carries."""
+    return SHM_SLOT_BYTES // (heads * (head_dim * itemsize + 4))
+
+
+def helix_items(meta: AttentionMetadata, cfg: ModelConfig, dtype: torch.dtype,
+                state: ParallelState) -> list[tuple[int, int]]:
+    """The HOP-B items of a step (each with an all-to-all of its own) on this model and layout."""
+    return overlap_items(meta.num_decode_tokens, [seg.num_tokens for seg in meta.prefills],
+                         max_item_rows(cfg.num_heads // state.tpa_size, cfg.head_dim, dtype.itemsize))
+
+
+def item_metadata(meta: AttentionMetadata, first: int, rows: int) -> AttentionMetadata:
+    """The metadata of rows [first, first + rows) of a step, an item that lies in its decode rows
+    or in one prefill chunk, as attention over those rows alone sees it."""
+    if first < meta.num_decode_tokens:
+        last = first + rows
+        return AttentionMetadata(slot_mapping=meta.slot_mapping, num_decode_tokens=rows,
+                                 decode_block_tables=meta.decode_block_tables[first:last],
+                                 decode_context_lens=meta.decode_context_lens[first:last])
+    seg = next(seg for seg in meta.prefills if seg.start <= first < seg.start + seg.num_tokens)
+    a = first - seg.start
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, prefills=[dataclasses.replace(
+        seg, start=0, num_tokens=rows, query_positions=seg.query_positions[a:a + rows])])
+
+
 class HelixAttention(nn.Module):
     """A layer's attention on one rank of a KVP group: partial attention over the keys this rank
-    holds, one all-to-all, the merge. q [T, H/TPA, D] in, [T, H/N, D] out."""
+    holds, one all-to-all, the merge (with HOP-B, item by item, overlapped). q [T, H/TPA, D] in,
+    [T, H/N, D] out."""
 
-    def __init__(self, attention: PagedAttention, state: ParallelState) -> None:
+    def __init__(self, attention: PagedAttention, state: ParallelState, hop_b: bool = False) -> None:
         super().__init__()
-        self.layer_idx, self.scale, self.state = attention.layer_idx, attention.scale, state
+        self.layer_idx, self.scale, self.state, self.hop_b = attention.layer_idx, attention.scale, state, hop_b
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        out, lse = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, "cpp")
-        kvp, (tokens, heads, head_dim) = self.state.kvp_size, out.shape
-        # One message, by head slice: the outputs as the kernel wrote them, then the bits of their
-        # fp32 log-sum-exps in as many elements of the outputs' type (a bf16 lse would be too coarse).
+        group, shm = self.state.kvp.group, self.state.kvp.shm_group
+        if not self.hop_b:
+            out, lse = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, "cpp")
+            return self._merge(comm.all_to_all(self._pack(out, lse), group, shm), q.dtype)
+        cache.write(self.layer_idx, k, v, meta.slot_mapping)
+        merged, pending = [], None
+        for first, rows in overlap_items(meta.num_decode_tokens, [seg.num_tokens for seg in meta.prefills],
+                                         max_item_rows(q.shape[1], q.shape[2], q.element_size())):
+            out, lse = attend(q[first:first + rows], cache, self.layer_idx, item_metadata(meta, first, rows),
+                              self.scale, "cpp")
+            started = comm.all_to_all_start(self._pack(out, lse), group, shm)
+            if pending is not None:  # the item before's exchange, finished after this item's attention
+                merged.append(self._merge(comm.all_to_all_wait(pending, [out], shm), q.dtype))
+            pending = started
+        merged.append(self._merge(comm.all_to_all_wait(pending, [], shm), q.dtype))
+        return torch.cat(merged) if len(merged) > 1 else merged[0]
+
+    def _pack(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """One message, by head slice: the outputs as the kernel wrote them, then the bits of their
+        fp32 log-sum-exps in as many elements of the outputs' type (a bf16 lse would be too coarse)."""
+        tokens, heads, _ = out.shape
         packed = torch.cat([out, lse.unsqueeze(-1).view(out.dtype)], dim=-1)
-        packed = packed.view(tokens, kvp, heads // kvp, -1).transpose(0, 1).contiguous()
-        parts = comm.all_to_all(packed, self.state.kvp.group, self.state.kvp.shm_group)
+        return packed.view(tokens, self.state.kvp_size, heads // self.state.kvp_size, -1).transpose(0, 1).contiguous()
+
+    def _merge(self, parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        head_dim = parts.shape[-1] - 4 // parts.element_size()  # the lse's 4 bytes end each row
         lses = parts[..., head_dim:].contiguous().view(torch.float32).squeeze(-1)
-        return merge_partials(parts[..., :head_dim].float(), lses).to(q.dtype)
+        return merge_partials(parts[..., :head_dim].float(), lses).to(dtype)
 
 
 def helix_attention_bytes(num_tokens: int, num_heads: int, head_dim: int, itemsize: int,

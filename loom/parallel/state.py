@@ -40,6 +40,7 @@ class ParallelState:
     world_size: int = 1
     kvp_size: int = 1
     batch_sharded: bool = False  # attention sharded by batch: each rank keeps its own sequences' KV
+    hop_b: bool = False  # Helix: each item's all-to-all overlapped with the next item's attention
     group: dist.ProcessGroup | None = None  # every rank; None in one process
     shm_group: int | None = None  # a shared-memory group of every rank (loom::shm_*), if in use
     kvp: Subgroup | None = None  # the KVP ranks holding this one's heads (KVP > 1)
@@ -114,6 +115,7 @@ def init_parallel(config: ParallelConfig, device: torch.device) -> ParallelState
         subgroups[name] = Subgroup(groups[name][mine], shm[1][i] if shm else None, partition[mine].index(rank),
                                    len(partition[mine]))
     return ParallelState(rank=rank, world_size=world, kvp_size=kvp, batch_sharded=config.attention_sharding == "batch",
+                         hop_b=config.hop_b,
                          group=dist.group.WORLD, shm_group=shm[0] if shm else None, **subgroups)
 
 

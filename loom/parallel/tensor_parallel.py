@@ -157,7 +157,7 @@ def _attention_shares(cfg: ModelConfig, state: ParallelState) -> tuple[int, int,
 def _sharded_attention(attention: PagedAttention, cfg: ModelConfig, state: ParallelState) -> nn.Module:
     """The attention for this layout: Helix's, batch-sharded, or the plain one over this rank's heads."""
     if state.kvp_size > 1:
-        return HelixAttention(attention, state)
+        return HelixAttention(attention, state, state.hop_b)
     if state.batch_sharded:
         kv_heads = [local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, r) for r in range(state.tp_size)]
         return BatchShardedAttention(attention, state, kv_heads)
@@ -252,12 +252,13 @@ def shard_model(model: LlamaForCausalLM | GPTNeoXForCausalLM, state: ParallelSta
 
 
 def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState, num_tokens: int,
-                      logit_rows: list[int], rows_per_rank: int = 0) -> list[tuple[str, int, int]]:
+                      logit_rows: list[int], rows_per_rank: int = 0,
+                      helix_items: int = 1) -> list[tuple[str, int, int]]:
     """(kind, calls, bytes each rank puts in) of one forward over `num_tokens` tokens whose
     logits are computed in calls of `logit_rows` rows each: the embedding's all-reduce, one
     after each attention and each FFN (one per layer for a parallel block), the all-to-alls of
-    each attention (Helix's one; two by batch, over `rows_per_rank` rows for each rank), and the
-    LM head's gathers of fp32 logits."""
+    each attention (Helix's one, or one per item with HOP-B; two by batch, over `rows_per_rank`
+    rows for each rank), and the LM head's gathers of fp32 logits."""
     activations = num_tokens * cfg.hidden_size * dtype.itemsize
     vocab_per_rank = -(-cfg.vocab_size // state.tp_size)
     ffn_2d = state.ffn_x is not None
@@ -269,7 +270,7 @@ def model_collectives(cfg: ModelConfig, dtype: torch.dtype, state: ParallelState
                    ffn_2d_collectives(num_tokens, cfg.hidden_size, cfg.intermediate_size, dtype.itemsize, state)]
     if state.kvp_size > 1:
         per_layer = helix_attention_bytes(num_tokens, cfg.num_heads, cfg.head_dim, dtype.itemsize, state)
-        counts.append(("all_to_all", cfg.num_layers, cfg.num_layers * per_layer))
+        counts.append(("all_to_all", helix_items * cfg.num_layers, cfg.num_layers * per_layer))
     elif state.batch_sharded:
         kv_heads = local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, state.tp_rank)[1]
         counts.append(("all_to_all", 2 * cfg.num_layers,
