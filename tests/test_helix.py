@@ -112,10 +112,10 @@ def test_partial_attention_over_shards_merges_to_the_full_one(size, dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(merged, expected, atol=tol, rtol=tol)
 
-    # HOP-B attends item by item (the decode halves, the prefill chunk cut to 10 rows): the same
-    # partial outputs and log-sum-exps, row for row.
-    items = overlap_items(2, [24, 5], 10)
-    assert items == [(0, 1), (1, 1), (2, 10), (12, 10), (22, 4), (26, 5)]
+    # HOP-B attends item by item (here each decode alone, the prefill chunk cut to 10 rows): the
+    # same partial outputs and log-sum-exps, row for row.
+    items = [(0, 1), (1, 1), (2, 10), (12, 10), (22, 4), (26, 5)]
+    assert overlap_items(2, [24, 5], 10) == [(0, 2)] + items[2:]
     for rank, cache in enumerate(caches):
         local = shard_metadata(meta, rank, size, bs, per_shard)
         pieces = [attend(q[first:first + rows], cache, 0, item_metadata(local, first, rows), head_dim ** -0.5, "cpp")
@@ -125,8 +125,9 @@ def test_partial_attention_over_shards_merges_to_the_full_one(size, dtype):
 
 
 def test_overlap_items():
-    """HOP-B's items: one decode alone, or the decodes in two halves, then each prefill chunk in
+    """HOP-B's items: fewer than 4 decodes together, or in two halves, then each prefill chunk in
     pieces of at most max_rows rows."""
     assert overlap_items(1, [], 8) == [(0, 1)]
+    assert overlap_items(3, [], 8) == [(0, 3)]
     assert overlap_items(7, [], 2) == [(0, 3), (3, 4)]  # the halves are not cut (compiled graphs)
     assert overlap_items(0, [3, 17], 8) == [(0, 3), (3, 8), (11, 8), (19, 1)]

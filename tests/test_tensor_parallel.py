@@ -176,12 +176,13 @@ def test_helix_two_kv_ranks_by_two_tensor_ranks(hf_models, tmp_path, name):
     _compare(tmp_path, hf_models(name)[0], tp=2, kvp=2)
 
 
-@pytest.mark.parametrize("options", [dict(enforce_eager=False, hop_b=True), dict(all_reduce="process_group")],
-                         ids=["compiled_hop_b", "gloo"])
+@pytest.mark.parametrize("options", [dict(enforce_eager=False, hop_b=True),
+                                     dict(enforce_eager=False, all_reduce="process_group")],
+                         ids=["compiled_hop_b", "compiled_gloo"])
 def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
-    """Helix inside the compiled decode graphs (with HOP-B: the started and finished halves of
+    """Helix inside the compiled decode graphs: with HOP-B (the started and finished halves of
     each item's all-to-all, kept in order around the next item's attention), and through gloo
-    (all_to_all_single)."""
+    (the process group's functional all_to_all_single, which keeps inductor's Python wrapper)."""
     _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
 
 

@@ -30,7 +30,7 @@ from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
 from loom.parallel.batch_attention import rows_by_rank, shard_batch_metadata
-from loom.parallel.helix import helix_items, shard_block_pairs, shard_metadata
+from loom.parallel.helix import HOP_B_MIN_SPLIT, helix_items, shard_block_pairs, shard_metadata
 from loom.parallel.state import ParallelState, init_parallel
 from loom.parallel.step import CollectiveStats, LockStepError, broadcast_step
 from loom.parallel.tensor_parallel import local_kv_heads, model_collectives
@@ -111,11 +111,14 @@ class ModelRunner:
         # loop over sequences) is not. Where the linear layers are torch's GEMMs (no panel
         # kernels on this CPU), inductor's pattern passes would fold a residual add into the GEMM
         # before its output is rounded (addmm): they stay off, so bf16 steps round as eager's.
+        # The C++ wrapper cannot call the process group's functional all-to-all ("arg type Any"),
+        # so collectives through gloo or NCCL keep the Python wrapper.
         self.decode_forward = None
         if not config.enforce_eager and config.attention_backend == "cpp":
+            cpp_wrapper = self.parallel.world_size == 1 or self.parallel.shm_group is not None
             self.decode_forward = torch.compile(
                 _private_forward(self.model), fullgraph=True,
-                options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": True,
+                options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
                          "pattern_matcher": panel_kernels_available(self.device),
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._compile_decode_graphs()
@@ -132,11 +135,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
         """Compiles the decode graphs now, at load, so that no request waits for it: one step of
-        batch 1 and one of batch 2 (which makes the graph for every larger batch), on block 0
-        of a pool no sequence uses yet. Inductor caches the result on disk: later loads of the
-        same model are quick."""
-        for batch in tqdm(DECODE_GRAPH_BATCHES, desc="Compiling decode steps", unit="graph",
-                          disable=not self.parallel.is_driver):
+        batch 1 and one of batch 2 (which makes the graph for every larger batch; with HOP-B,
+        up to the batch from which it splits the decodes, which takes one more), on block 0 of a
+        pool no sequence uses yet. Inductor caches the result on disk: later loads of the same
+        model are quick."""
+        batches = DECODE_GRAPH_BATCHES + ((HOP_B_MIN_SPLIT,) if self.parallel.hop_b else ())
+        for batch in tqdm(batches, desc="Compiling decode steps", unit="graph", disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),

@@ -54,7 +54,10 @@ def shard_metadata(meta: AttentionMetadata, rank: int, size: int, block_size: in
     if meta.num_decode_tokens:
         width = -(-meta.decode_block_tables.shape[1] // size)  # the same on every rank
         tables = meta.decode_block_tables[:, rank::size] // size
-        out.decode_block_tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1])).contiguous()
+        # A fresh [rows, width] tensor: a view's strides can differ from a new one's in a dimension
+        # of size 1, which a compiled graph's guards would then pin.
+        out.decode_block_tables = tables.new_zeros(tables.shape[0], width)
+        out.decode_block_tables[:, :tables.shape[1]] = tables
         out.decode_context_lens = local_token_counts(meta.decode_context_lens, rank, size, block_size)
     return out
 
@@ -80,13 +83,17 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs).sum(0) / weights.sum(0).unsqueeze(-1)
 
 
+HOP_B_MIN_SPLIT = 4  # decodes in a step from which HOP-B splits them in two
+
+
 def overlap_items(num_decode: int, prefill_rows: list[int], max_rows: int) -> list[tuple[int, int]]:
     """HOP-B's items as (first row, rows) of the packed step: the decode rows in two halves (one
-    item for a single decode), then each prefill chunk, every item at most `max_rows` rows. The
-    halves are not cut further, so a compiled decode graph serves every batch size; a step whose
-    half would exceed `max_rows` is refused where the engine is configured."""
+    item for fewer than 4 decodes: a compiled graph would specialize on halves of one row),
+    then each prefill chunk, every item at most `max_rows` rows. The halves are not cut further,
+    so one compiled decode graph serves every batch size from 4 on; a step whose half would
+    exceed `max_rows` is refused where the engine is configured."""
     half = num_decode // 2
-    items = [(0, num_decode)] if num_decode == 1 else [(0, half), (half, num_decode - half)]
+    items = [(0, num_decode)] if num_decode < HOP_B_MIN_SPLIT else [(0, half), (half, num_decode - half)]
     start = num_decode
     for rows in prefill_rows:
         items += [(start + a, min(max_rows, rows - a)) for a in range(0, rows, max_rows)]
