@@ -269,3 +269,28 @@ def test_plan_command(tmp_path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["best"]["latency_s"] <= 20 and out["best"]["prefill"]["fits"] and out["best"]["decode"]["fits"]
     assert png.stat().st_size > 10_000
+
+
+def test_layouts_bench_sets_the_planner_beside_each_layout(hf_models):
+    """`loom bench layouts` prints the planner's KV bytes per rank and step beside each layout: a
+    multi-query model's one KV head, replicated by head sharding, keeps each rank at one
+    process's bytes; Helix and attention by batch halve them; Helix's all-to-all carries each
+    head's output and its fp32 log-sum-exp."""
+    from loom.bench.tp import planner_layout_figures
+    from loom.models.config import ModelConfig
+
+    model = hf_models("llama_mqa")[0]
+    m = ModelConfig.from_dir(model)
+    assert m.num_kv_heads == 1
+
+    def figures(layout: Layout) -> dict:
+        return planner_layout_figures(model, "float32", layout, 4, 100.0, None)
+
+    one = 4 * 100 * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4
+    assert figures(Layout("1d", 1))["kv_bytes_per_step"] == pytest.approx(one)
+    assert figures(Layout("1d", 2))["kv_bytes_per_step"] == pytest.approx(one)
+    assert figures(Layout("1d", 2, attention="batch"))["kv_bytes_per_step"] == pytest.approx(one / 2)
+    helix = figures(Layout("helix", 2, "kvp", kvp=2))
+    assert helix["kv_bytes_per_step"] == pytest.approx(one / 2)
+    assert helix["all_to_all_bytes_per_step"] == pytest.approx(m.num_layers * 4 * m.num_heads * (m.head_dim * 4 + 4))
+    assert "ms_per_step" not in helix  # no hardware, no time

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 from loom.planner.collectives import Collective
+from loom.planner.hardware import Hardware
+from loom.planner.layouts import Layout
 
 
 def _decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
@@ -65,6 +67,7 @@ def worker(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, tensor_parallel_size=args.tp,
               kv_parallel_size=args.kvp, attention_sharding=args.attention_sharding, all_reduce=args.all_reduce,
+              hop_b=args.hop_b,
               max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.max_tokens + 16,
               kv_cache_memory=args.kv_cache_memory)
     vocab = llm.engine.config.model_config.vocab_size
@@ -75,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prompt_len: int,
         max_tokens: int, all_reduce: str = "auto", kvp: int = 1, attention_sharding: str = "heads",
-        kv_cache_memory: int | None = None) -> list[dict]:
+        hop_b: bool = False, kv_cache_memory: int | None = None) -> list[dict]:
     """The decode rows of one configuration (tp x kvp ranks), each rank on `threads` threads."""
     from loom.bench.servers import free_port
 
@@ -86,6 +89,8 @@ def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prom
                 str(prompt_len), "--max-tokens", str(max_tokens), "--all-reduce", all_reduce, "--out", str(out)]
         if kv_cache_memory is not None:
             args += ["--kv-cache-memory", str(kv_cache_memory)]
+        if hop_b:
+            args.append("--hop-b")
         launcher = [sys.executable]
         if tp * kvp > 1:
             launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp * kvp), "--master-addr",
@@ -96,11 +101,33 @@ def run(model: Path, dtype: str, tp: int, threads: int, batches: list[int], prom
 
 
 def long_context_mqa_model() -> Path:
-    """The 134M reference Llama with one KV head (multi-query) and 4096 positions."""
+    """The 134M reference Llama with one KV head (multi-query) and 8192 positions."""
     from loom.models.reference import REFERENCE_134M, reference_model_dir
 
-    return reference_model_dir(REFERENCE_134M | {"num_key_value_heads": 1, "max_position_embeddings": 4096},
-                               name="ref-134m-mqa-4k")
+    return reference_model_dir(REFERENCE_134M | {"num_key_value_heads": 1, "max_position_embeddings": 8192},
+                               name="ref-134m-mqa-8k")
+
+
+def planner_layout_figures(model: Path, dtype: str, layout: Layout, batch: int, context: float,
+                           hardware: Hardware | None) -> dict[str, float]:
+    """The planner's figures for one decode step of `layout` at `context` cached tokens per
+    sequence, per rank: KV bytes read, Helix's all-to-all bytes and, on calibrated hardware (one
+    rank's threads as one chip), the step time."""
+    from loom.planner.cost import kv_per_token_per_chip, step_cost
+    from loom.planner.layouts import helix_all_to_all
+    from loom.planner.presets import from_hf_config
+    from loom.planner.workload import Workload, dtype_bytes
+
+    shape = from_hf_config(model)
+    kind = "bf16" if dtype == "bfloat16" else "fp32"
+    wl = Workload(batch=batch, input_len=int(context), output_len=0, weight_dtype=kind, kv_dtype=kind, act_dtype=kind)
+    out = {"kv_bytes_per_step": kv_per_token_per_chip(shape, wl, layout, batch) * context}
+    if layout.kind == "helix":
+        act = dtype_bytes(kind)
+        out["all_to_all_bytes_per_step"] = shape.n_layers * helix_all_to_all(layout, shape, batch, act).nbytes
+    if hardware is not None:
+        out["ms_per_step"] = 1e3 * step_cost(shape, hardware, wl, layout, batch, 1, context, context)[1].time_s
+    return out
 
 
 def planner_bytes(model: Path, dtype: str, tp: int, batch: int) -> dict[str, float]:
@@ -131,5 +158,6 @@ if __name__ == "__main__":
     p.add_argument("--prompt-len", type=int, required=True)
     p.add_argument("--max-tokens", type=int, required=True)
     p.add_argument("--all-reduce", default="auto")
+    p.add_argument("--hop-b", action="store_true")
     p.add_argument("--out", required=True)
     worker(p.parse_args())

@@ -73,7 +73,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(lay)
     lay.add_argument("--dtype", default="bfloat16")
     lay.add_argument("--batches", type=int, nargs="+", default=[4])
-    sizes(lay, prompt_len=3584, max_tokens=32)
+    lay.add_argument("--hardware", default=None,
+                     help="the planner's hardware for its predicted step times (this-machine: `loom calibrate` "
+                          "at one rank's threads)")
+    sizes(lay, prompt_len=4096, max_tokens=32)
     lay.set_defaults(func=_layouts)
 
     lt = sub.add_parser("latency", help="small-batch decode speed and MBU vs transformers and llama.cpp")
@@ -448,28 +451,49 @@ def _plot_step_times(path: Path, title: str, short: dict[str, str], results: dic
 def _layouts(args: argparse.Namespace) -> None:
     from loom.bench import tp
     from loom.bench.report import write_report
+    from loom.planner.hardware import load_hardware
+    from loom.planner.layouts import Layout
 
     if args.threads % 2:
         raise ValueError(f"--threads: {args.threads} cores cannot be split over 2 ranks")
     model = Path(args.model) if args.model else tp.long_context_mqa_model()
+    hardware = load_hardware(args.hardware) if args.hardware else None
     per_rank = args.threads // 2
-    # label -> (plot label, layout)
-    configs = {f"1 process x {args.threads} threads": ("1 process", dict(tp=1, threads=args.threads)),
-               "tensor parallel 2 by heads (the KV head replicated)": ("TP 2\nby heads", dict(tp=2, threads=per_rank)),
-               "Helix KVP 2 (KV split by position)": ("Helix\nKVP 2", dict(tp=1, kvp=2, threads=per_rank)),
-               "tensor parallel 2, attention by batch": ("TP 2\nby batch",
-                                                         dict(tp=2, attention_sharding="batch", threads=per_rank))}
+    helix = dict(tp=1, kvp=2, threads=per_rank)
+    # label -> (plot label, how Loom runs it, the planner's layout)
+    configs = {
+        f"1 process x {args.threads} threads": ("1 process", dict(tp=1, threads=args.threads), Layout("1d", 1)),
+        "tensor parallel 2 by heads (the KV head replicated)": ("TP 2\nby heads", dict(tp=2, threads=per_rank),
+                                                                Layout("1d", 2)),
+        "Helix KVP 2 (KV split by position)": ("Helix\nKVP 2", helix, Layout("helix", 2, "kvp", kvp=2)),
+        "Helix KVP 2, HOP-B": ("Helix\nHOP-B", helix | dict(hop_b=True), Layout("helix", 2, "kvp", kvp=2, hop_b=True)),
+        "Helix KVP 2 through gloo": ("Helix\ngloo", helix | dict(all_reduce="process_group"),
+                                     Layout("helix", 2, "kvp", kvp=2)),
+        "Helix KVP 2, HOP-B, through gloo": ("Helix\nHOP-B\ngloo", helix | dict(all_reduce="process_group", hop_b=True),
+                                             Layout("helix", 2, "kvp", kvp=2, hop_b=True)),
+        "tensor parallel 2, attention by batch": ("TP 2\nby batch", dict(tp=2, attention_sharding="batch",
+                                                                          threads=per_rank),
+                                                  Layout("1d", 2, attention="batch")),
+    }
+    # The timed steps attend over prompt_len + 1 .. prompt_len + max_tokens - 1 cached tokens.
+    context = args.prompt_len + args.max_tokens / 2
     results = {}
-    for label, (_, layout) in configs.items():
+    for label, (_, options, layout) in configs.items():
         results[label] = tp.run(model, args.dtype, batches=args.batches, prompt_len=args.prompt_len,
-                                max_tokens=args.max_tokens, **layout)
+                                max_tokens=args.max_tokens, **options)
         for row in results[label]:
-            print(f"{label}, batch {row['batch']}: {row['ms_per_step']:.2f} ms/step, rank 0 KV "
-                  f"{row['rank0_kv_bytes'] / 2**20:.1f} MiB, bytes/step {row['bytes_per_step'] or '-'}", flush=True)
+            row["planner"] = tp.planner_layout_figures(model, args.dtype, layout, row["batch"], context, hardware)
+            planned = row["planner"]
+            print(f"{label}, batch {row['batch']}: {row['ms_per_step']:.2f} ms/step (planner "
+                  f"{planned.get('ms_per_step', float('nan')):.2f}), rank 0 KV {row['rank0_kv_bytes'] / 2**20:.1f} "
+                  f"MiB (planner {planned['kv_bytes_per_step'] / 2**20:.1f}), "
+                  f"bytes/step {row['bytes_per_step'] or '-'}",
+                  flush=True)
     path = write_report("layouts", {"model": str(model), "dtype": args.dtype, "prompt_len": args.prompt_len,
-                                    "max_tokens": args.max_tokens, "results": results}, args.out_dir)
+                                    "max_tokens": args.max_tokens, "hardware": args.hardware,
+                                    "results": results}, args.out_dir)
     _plot_step_times(path, f"decode at context {args.prompt_len}, {args.dtype}, multi-query model: layouts on 2 "
-                     "ranks", {label: short for label, (short, _) in configs.items()}, results)
+                     "ranks", {label: short for label, (short, _, _) in configs.items()}, results)
 
 
 def _quality(args: argparse.Namespace) -> None:
