@@ -19,8 +19,8 @@ counts, and slots whose tokens live elsewhere pointed at a spare block no one re
 HOP-B (`hop_b`) cuts the step into items, attends item by item and starts each item's
 all-to-all as soon as its partial outputs exist, finishing the one before only after the next
 item's attention: each exchange waits behind useful work instead of in front of it. The items
-are the decode rows in two halves and each prefill chunk, every one cut to what one message
-carries (`overlap_items`).
+are the decode rows (in two halves from HOP_B_MIN_SPLIT decodes on) and each prefill chunk,
+every one cut to what one message carries (`overlap_items`).
 """
 from __future__ import annotations
 
