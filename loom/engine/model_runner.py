@@ -269,7 +269,9 @@ class ModelRunner:
         if self.parallel.batch_sharded:
             rows_per_rank = max(1, max(map(len, rows_by_rank(inputs.meta, self.kv_shards))))
         if self.parallel.hop_b:
-            items = len(helix_items(inputs.meta, self.model.config, self.dtype, self.parallel))
+            cfg = self.model.config
+            items = len(helix_items(inputs.meta, cfg.num_heads // self.parallel.tpa_size, cfg.head_dim,
+                                    self.dtype.itemsize))
         for kind, calls, nbytes in model_collectives(self.model.config, self.dtype, self.parallel,
                                                      inputs.input_ids.numel(), logit_rows, rows_per_rank, items):
             self.collectives.add(kind, calls, nbytes)

@@ -31,7 +31,6 @@ from torch import nn
 
 from loom.kv.attention import AttentionMetadata, PagedAttention, PrefillSegment, attend, paged_attention
 from loom.kv.cache import KVCache
-from loom.models.config import ModelConfig
 from loom.parallel import comm
 from loom.parallel.state import SHM_SLOT_BYTES, ParallelState
 
@@ -106,11 +105,11 @@ def max_item_rows(heads: int, head_dim: int, itemsize: int) -> int:
     return SHM_SLOT_BYTES // (heads * (head_dim * itemsize + 4))
 
 
-def helix_items(meta: AttentionMetadata, cfg: ModelConfig, dtype: torch.dtype,
-                state: ParallelState) -> list[tuple[int, int]]:
-    """The HOP-B items of a step (each with an all-to-all of its own) on this model and layout."""
+def helix_items(meta: AttentionMetadata, heads: int, head_dim: int, itemsize: int) -> list[tuple[int, int]]:
+    """The HOP-B items of a step (each with an all-to-all of its own) for a rank computing `heads`
+    query heads."""
     return overlap_items(meta.num_decode_tokens, [seg.num_tokens for seg in meta.prefills],
-                         max_item_rows(cfg.num_heads // state.tpa_size, cfg.head_dim, dtype.itemsize))
+                         max_item_rows(heads, head_dim, itemsize))
 
 
 def item_metadata(meta: AttentionMetadata, first: int, rows: int) -> AttentionMetadata:
@@ -132,20 +131,19 @@ class HelixAttention(nn.Module):
     holds, one all-to-all, the merge (with HOP-B, item by item, overlapped). q [T, H/TPA, D] in,
     [T, H/N, D] out."""
 
-    def __init__(self, attention: PagedAttention, state: ParallelState, hop_b: bool = False) -> None:
+    def __init__(self, attention: PagedAttention, state: ParallelState) -> None:
         super().__init__()
-        self.layer_idx, self.scale, self.state, self.hop_b = attention.layer_idx, attention.scale, state, hop_b
+        self.layer_idx, self.scale, self.state = attention.layer_idx, attention.scale, state
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         group, shm = self.state.kvp.group, self.state.kvp.shm_group
-        if not self.hop_b:
+        if not self.state.hop_b:
             out, lse = paged_attention(q, k, v, cache, self.layer_idx, meta, self.scale, "cpp")
             return self._merge(comm.all_to_all(self._pack(out, lse), group, shm), q.dtype)
         cache.write(self.layer_idx, k, v, meta.slot_mapping)
         merged, pending = [], None
-        for first, rows in overlap_items(meta.num_decode_tokens, [seg.num_tokens for seg in meta.prefills],
-                                         max_item_rows(q.shape[1], q.shape[2], q.element_size())):
+        for first, rows in helix_items(meta, q.shape[1], q.shape[2], q.element_size()):
             out, lse = attend(q[first:first + rows], cache, self.layer_idx, item_metadata(meta, first, rows),
                               self.scale, "cpp")
             started = comm.all_to_all_start(self._pack(out, lse), group, shm)

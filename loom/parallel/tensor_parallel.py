@@ -157,7 +157,7 @@ def _attention_shares(cfg: ModelConfig, state: ParallelState) -> tuple[int, int,
 def _sharded_attention(attention: PagedAttention, cfg: ModelConfig, state: ParallelState) -> nn.Module:
     """The attention for this layout: Helix's, batch-sharded, or the plain one over this rank's heads."""
     if state.kvp_size > 1:
-        return HelixAttention(attention, state, state.hop_b)
+        return HelixAttention(attention, state)
     if state.batch_sharded:
         kv_heads = [local_kv_heads(cfg.num_heads, cfg.num_kv_heads, state.tp_size, r) for r in range(state.tp_size)]
         return BatchShardedAttention(attention, state, kv_heads)
