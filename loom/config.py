@@ -193,7 +193,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    pack_linear_weights: bool = True  # panel-layout weights for Loom's CPU kernels (loom/layers/linear.py)
+    # Each linear layer runs the kernel its dispatch plan names for the step's tokens (loom/layers/dispatch.py);
+    # False: torch's F.linear always.
+    linear_dispatch: bool = True
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
     group_size: int = 32             # int4 group size
     # "cpp" (Loom's kernel over the paged pool, CPU) or "torch" (plain PyTorch, any device: the

@@ -4,6 +4,8 @@ One engine per case, each generating for prompts of different lengths and budget
 compiled graph sees batch sizes shrink and contexts cross block boundaries (dynamic shapes)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import build_hf_model
@@ -75,20 +77,30 @@ def test_engines_do_not_share_dynamic_shapes(hf_models):
         assert dynamic == [], f"{name}: weights compiled with dynamic sizes: {dynamic[:3]}"
 
 
-def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models):
-    """Loading compiles the batch-1 graph and the one for larger batches; requests of any batch
-    size after that compile nothing (no request waits for the compiler)."""
+@pytest.mark.parametrize("switch", [False, True], ids=["one-kernel", "kernel-switch-at-3"])
+def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_path, monkeypatch, switch):
+    """Loading compiles the batch-1 graph and the one for larger batches, and one more from each
+    batch at which a linear layer's plan switches kernel; requests of any batch size after that
+    compile nothing (no request waits for the compiler), and match eager ones."""
     from torch._dynamo.utils import counters
 
+    from loom.layers.dispatch import FORMATS, candidates, panels_available, plan_path
+
+    kernels = candidates("bf16", panels_available())
+    plans = {fmt: [[1, candidates(fmt, panels_available())[0]]] for fmt in FORMATS}
+    if switch:
+        plans["bf16"] = [[2, kernels[0]], [3, kernels[1]]]
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    plan_path().write_text(json.dumps({"plans": plans}))
     model_dir, _ = hf_models("llama_mha")
     before = counters["stats"]["unique_graphs"]
-    llm = LLM(str(model_dir), enforce_eager=False)
-    assert counters["stats"]["unique_graphs"] - before == 2
+    llm = LLM(str(model_dir), enforce_eager=False, dtype="bfloat16")
+    assert counters["stats"]["unique_graphs"] - before == 2 + switch
     loaded = counters["stats"]["unique_graphs"]
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # batches of 3, 2 and 1, contexts crossing blocks
     one = llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == loaded
-    eager = LLM(str(model_dir), enforce_eager=True).generate(PROMPTS, PARAMS, use_tqdm=False)
+    eager = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16").generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     assert one[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
 

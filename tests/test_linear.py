@@ -1,13 +1,20 @@
-"""Dense (fp32 / bf16) linear layers over panel-layout weights, against plain PyTorch."""
+"""Dense (fp32 / bf16) linear layers and every kernel they dispatch to, against plain PyTorch;
+the dispatch plans and their calibration."""
+import json
+
 import pytest
 import torch
 from torch import nn
 
-from loom.layers.linear import (DenseLinear, pack_columns, pack_pairs, panel_kernels_available, unpack_columns,
-                                unpack_pairs, use_panel_linears)
+from loom.layers import dispatch
+from loom.layers.dispatch import (DEFAULT_PLANS, candidates, choose, cpu_family, load_plan, panels_available,
+                                  plan_from_times, plan_switches, planned_kernels)
+from loom.layers.linear import DenseLinear, pack_columns, pack_pairs, unpack_columns, unpack_pairs, use_dense_linears
 
-pytestmark = pytest.mark.skipif(not panel_kernels_available(torch.device("cpu")),
-                                reason="this CPU has no AVX-512 BF16: the engine keeps torch's linear layers")
+PANELS = panels_available()
+NO_PANELS = "this CPU has no AVX-512 BF16: Loom's panel kernels do not run here"
+FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+FORMAT_BOUNDS = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 
 
 def test_layouts_round_trip():
@@ -18,23 +25,29 @@ def test_layouts_round_trip():
         assert torch.equal(unpack_pairs(pack_pairs(w.bfloat16()), n, k), w.bfloat16())
 
 
-# Row counts cover every register tiling: 1-3 rows alternate accumulators, 40 rows are 4 tiles.
-@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+# Row counts cover every register tiling of the panel kernel: 1-3 rows alternate accumulators, 40
+# rows are 4 tiles.
+@pytest.mark.parametrize("kernel, dtype, bound", [(kernel, dtype, bound) for dtype, bound in FORMAT_BOUNDS
+                                                  for kernel in candidates(FORMAT[dtype], panels=True)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 9, 40])
 @pytest.mark.parametrize("in_features, out_features", [(64, 96), (201, 70)])
-def test_dense_linear_matches_reference(dtype, bound, tokens, in_features, out_features):
+def test_every_kernel_matches_reference(kernel, dtype, bound, tokens, in_features, out_features):
     """Relative error (max abs / max |ref|) against fp64 arithmetic on the same inputs: fp32
-    accumulates in fp32; bf16 multiplies exactly and accumulates in fp32, then rounds its output
-    to bf16 (relative 2^-9)."""
+    accumulates in fp32; bf16 weights multiply exactly and accumulate in fp32, then the output
+    rounds to bf16 (relative 2^-9). Each kernel through the dispatching forward, with a plan that
+    names it alone."""
+    if kernel == "panel" and not PANELS:
+        pytest.skip(NO_PANELS)
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=True).to(dtype)
-    layer = DenseLinear(linear)
+    layer = DenseLinear(linear, ((1, kernel),))
     x = torch.randn(tokens, in_features, dtype=dtype)
     ref = x.double() @ linear.weight.double().t() + linear.bias.double()
     out = layer(x)
     assert out.dtype == dtype and out.shape == (tokens, out_features)
     assert (out.double() - ref).abs().max() / ref.abs().max() < bound
     assert torch.equal(layer.unpacked_weight(), linear.weight)
+    assert layer.packed == (kernel == "panel")
 
 
 def test_swap_keeps_outputs_and_refuses_other_dtypes():
@@ -42,11 +55,73 @@ def test_swap_keeps_outputs_and_refuses_other_dtypes():
     model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 8, bias=False))
     x = torch.randn(3, 48)
     expected = model(x)
-    use_panel_linears(model)
+    use_dense_linears(model)
     assert isinstance(model[0], DenseLinear) and isinstance(model[2], DenseLinear)
+    assert model[0].plan == load_plan("fp32")
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         DenseLinear(nn.Linear(8, 8).half())
+
+
+def test_dense_dispatch_follows_the_plan(monkeypatch):
+    layer = DenseLinear(nn.Linear(16, 8).to(torch.bfloat16), ((2, "gemm"), (8, "gemm_fp32")))
+    used = []
+    for kernel in ("gemm", "gemm_fp32"):
+        monkeypatch.setattr(layer, kernel, lambda x, k=kernel: used.append(k) or torch.zeros(x.shape[0], 8,
+                                                                                              dtype=x.dtype))
+    for m in (1, 2, 3, 8, 9, 500):
+        layer(torch.randn(m, 16, dtype=torch.bfloat16))
+    assert used == ["gemm", "gemm", "gemm_fp32", "gemm_fp32", "gemm_fp32", "gemm_fp32"]
+    assert [choose(((4, "a"), (16, "b")), m) for m in (1, 4, 5, 16, 17)] == ["a", "a", "b", "b", "b"]
+
+
+def test_defaults_name_only_kernels_this_cpu_has():
+    family = cpu_family()
+    assert family in DEFAULT_PLANS and (family == "other") == (not PANELS)
+    for fmt, plan in DEFAULT_PLANS[family].items():
+        assert {kernel for _, kernel in plan} <= set(candidates(fmt, PANELS))
+        assert [bound for bound, _ in plan] == sorted(bound for bound, _ in plan)
+
+
+def test_plan_takes_the_fastest_and_holds_through_near_ties():
+    tokens = [1, 2, 4, 8, 16]
+    ms = {"a": [1.0, 2.0, 4.0, 8.0, 16.0],
+          "b": [3.0, 2.04, 3.9, 3.0, 5.0],  # a within 5% at 2 and 4: a is kept there
+          "c": [9.0, 9.0, 9.0, 2.9, 5.1]}   # c, once running, within 5% of b at 16: kept
+    assert plan_from_times(tokens, ms) == ((4, "a"), (16, "c"))
+    assert plan_from_times(tokens, ms, stickiness=0) == ((2, "a"), (4, "b"), (8, "c"), (16, "b"))
+
+
+def test_model_plans_give_the_compiled_graphs_switch_points():
+    model = nn.Sequential(DenseLinear(nn.Linear(8, 8), ((1, "gemm"),)),
+                          DenseLinear(nn.Linear(8, 8).to(torch.bfloat16), ((8, "gemm"), (64, "gemm_fp32"))))
+    assert planned_kernels(model, 4) == {"gemm"} and planned_kernels(model, 9) == {"gemm", "gemm_fp32"}
+    assert plan_switches(model, 4) == set() and plan_switches(model, 256) == {9}
+
+
+def test_calibration_checks_its_own_choice(tmp_path, monkeypatch):
+    """On small layers, quickly: every candidate is timed at every count, the plan names only
+    candidates, and the dispatched layers were timed again against each candidate. (Which
+    kernel wins is a timing, reported by `loom calibrate --linears`, not asserted.)"""
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    result = dispatch.calibrate(tokens=(1, 4), shapes=((64, 32), (32, 64)), copies=2, repeats=2,
+                                formats=("bf16", "int8"))
+    for fmt in ("bf16", "int8"):
+        kernels = set(candidates(fmt, PANELS))
+        assert set(result["ms"][fmt]) == kernels | {"dispatched"}
+        assert all(len(times) == 2 and all(t > 0 for t in times) for times in result["ms"][fmt].values())
+        assert {kernel for _, kernel in result["plans"][fmt]} <= kernels and result["plans"][fmt][-1][0] == 4
+        assert len(result["check"][fmt]) == 2 and all(r > 0 for r in result["check"][fmt])
+    dispatch.save_plans(result)
+    assert load_plan("int8") == tuple(tuple(step) for step in result["plans"]["int8"])
+    assert json.loads(dispatch.plan_path().read_text())["family"] == cpu_family()
+    plans = json.loads(dispatch.plan_path().read_text())
+    plans["plans"]["int8"] = [[4, "tiles"]]
+    dispatch.plan_path().write_text(json.dumps(plans))
+    with pytest.raises(ValueError, match=r"int8 plan names kernels this CPU does not run \(\['tiles'\]\)"):
+        load_plan("int8")
+    dispatch.plot_calibration(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_a_killed_build_s_lock_is_removed_and_builds_take_turns(tmp_path):

@@ -50,12 +50,12 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
     The weight-only kernel computes exactly with x rounded to int8 in groups of inputs (int8: 128,
     int4: 32; s_g = max|x over group g| / 127, |x - s_g round(x / s_g)| <= s_g / 2): its error is at most
     sum_k (s_g(k) / 2) |w_k| per output, plus fp32 rounding; with bf16 input and output, plus the
-    output's bf16 rounding (relative 2^-8). The dequantized GEMM runs in bf16: relative error
-    (max abs / max |ref|) < 1%."""
+    output's bf16 rounding (relative 2^-8). The dequantized GEMMs run in bf16 or fp32: relative
+    error (max abs / max |ref|) < 1%."""
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=True)
-    layer = WeightOnlyLinear.from_linear(linear, method, group_size, crossover=8)
-    w = layer.dequantized().double()
+    layer = WeightOnlyLinear.from_linear(linear, method, group_size, ((8, "weight_only"), (9, "dequantized")))
+    w = layer.reference_weight().double()
     x = torch.randn(tokens, in_features) * torch.linspace(0.01, 3, in_features)  # uneven magnitudes, as activations
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
@@ -69,38 +69,41 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
         if dtype == torch.bfloat16:
             bound = bound + ref.abs() * 2 ** -8
         assert ((out.double() - ref).abs() <= bound).all()
-        gemm = layer.dequantized_gemm(xd)
-        assert (gemm.double() - ref).abs().max() / ref.abs().max() < 0.01
+        for gemm in (layer.dequantized(xd), layer.dequantized_fp32(xd)):
+            assert gemm.dtype == dtype
+            assert (gemm.double() - ref).abs().max() / ref.abs().max() < 0.01
     full = layer(x)  # the dispatching forward adds the bias and returns the input dtype
     assert full.dtype == torch.float32
     ref = x.double() @ w.t() + linear.bias.double()
-    assert (full.double() - ref).abs().max() / ref.abs().max() < 0.01  # above the crossover: the bf16 GEMM
+    assert (full.double() - ref).abs().max() / ref.abs().max() < 0.01  # past 8 tokens: the dequantized GEMM
 
 
-def test_dispatch_follows_crossover(monkeypatch):
-    layer = WeightOnlyLinear.from_linear(nn.Linear(64, 32, bias=False), "int8", 32, crossover=4)
+def test_dispatch_follows_the_plan(monkeypatch):
+    plan = ((4, "weight_only"), (16, "dequantized"), (64, "dequantized_fp32"))
+    layer = WeightOnlyLinear.from_linear(nn.Linear(64, 32, bias=False), "int8", 32, plan)
     used = []
-    monkeypatch.setattr(layer, "weight_only", lambda x: used.append("wo") or torch.zeros(x.shape[0], 32, dtype=x.dtype))
-    monkeypatch.setattr(layer, "dequantized_gemm",
-                        lambda x: used.append("dq") or torch.zeros(x.shape[0], 32, dtype=x.dtype))
-    for m in (1, 4, 5, 100):
+    for kernel in ("weight_only", "dequantized", "dequantized_fp32"):
+        monkeypatch.setattr(layer, kernel, lambda x, k=kernel: used.append(k) or torch.zeros(x.shape[0], 32,
+                                                                                              dtype=x.dtype))
+    for m in (1, 4, 5, 16, 17, 100):
         layer(torch.randn(m, 64))
-    assert used == ["wo", "wo", "dq", "dq"]
+    assert used == ["weight_only", "weight_only", "dequantized", "dequantized", "dequantized_fp32",
+                    "dequantized_fp32"]
 
 
-def test_crossover_read_from_calibration_file(tmp_path, monkeypatch, hf_models):
+def test_plans_read_from_calibration_file(tmp_path, monkeypatch, hf_models):
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
-    from loom.quant.dispatch import DEFAULT_CROSSOVER, crossover_path, load_crossover
+    from loom.layers.dispatch import DEFAULT_PLANS, cpu_family, load_plan, plan_path
 
-    # Uncalibrated: the default, or 0 (always dequantize) where the kernels have no vector path.
-    vectorized = torch.ops.loom.linear_vectorized()
-    assert load_crossover("int4") == (DEFAULT_CROSSOVER["int4"] if vectorized else 0)
-    crossover_path().parent.mkdir(parents=True, exist_ok=True)
-    crossover_path().write_text(json.dumps({"crossover": {"int8": 3, "int4": 11}}))
-    assert load_crossover("int4") == 11
+    assert load_plan("int4") == DEFAULT_PLANS[cpu_family()]["int4"]  # uncalibrated: the CPU family's default
+    plans = {fmt: [[8, "dequantized"], [9, "dequantized_fp32"]] for fmt in ("int8", "int4")}
+    plans |= {"fp32": [[1, "gemm"]], "bf16": [[3, "gemm"], [4, "gemm_fp32"]]}
+    plan_path().parent.mkdir(parents=True, exist_ok=True)
+    plan_path().write_text(json.dumps({"plans": plans}))
+    assert load_plan("int4") == ((8, "dequantized"), (9, "dequantized_fp32"))
     llm = LLM(str(hf_models("llama_gqa")[0]), quantization="int4")
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, WeightOnlyLinear)]
-    assert layers and all(m.crossover == 11 for m in layers)
+    assert layers and all(m.plan == ((8, "dequantized"), (9, "dequantized_fp32")) for m in layers)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -173,7 +176,7 @@ def test_weights_from_an_unaligned_buffer(tmp_path):
     q, s = quantize_int8(linear.weight)
     save_file({"pad": torch.zeros(7, dtype=torch.int8), "q": q, "s": s}, str(tmp_path / "w.safetensors"))
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
-        layer = WeightOnlyLinear(64, 256, "int8", 32, None, crossover=10**6)
+        layer = WeightOnlyLinear(64, 256, "int8", 32, None, ((1, "weight_only"),))
         layer.load_quantized(f.get_tensor("q"), f.get_tensor("s"))
     x = torch.randn(47, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(layer.weight_only(x).float(), x.float() @ dequantize_int8(q, s).t(), atol=0.05, rtol=0.02)

@@ -66,16 +66,15 @@ def _loom_linear(base: nn.Linear, dtype: str) -> nn.Module:
     import torch
     from torch import nn
 
-    from loom.layers.linear import DenseLinear, panel_kernels_available
-    from loom.quant.dispatch import load_crossover
+    from loom.layers.linear import DenseLinear
     from loom.quant.linear import WeightOnlyLinear
 
     if dtype in ("int8", "int4"):
-        return WeightOnlyLinear.from_linear(base, dtype, INT4_GROUP_SIZE, load_crossover(dtype))
+        return WeightOnlyLinear.from_linear(base, dtype, INT4_GROUP_SIZE)
     linear = nn.Linear(base.in_features, base.out_features, bias=False, dtype=_torch_dtype(dtype))
     with torch.no_grad():
         linear.weight.copy_(base.weight)
-    return DenseLinear(linear) if panel_kernels_available(torch.device("cpu")) else linear
+    return DenseLinear(linear)
 
 
 def gemm_flops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
@@ -94,8 +93,8 @@ def linear_bandwidth(dtypes: tuple[str, ...] = LINEAR_DTYPES, tokens: tuple[int,
     """Weight bytes/s (parameters x the planner's bytes per weight / time) that Loom's linear
     layers reach in each format at each token count, on a stack of reference-model layers too
     large for the caches. The rates take in whatever bounds the kernels: memory at one token,
-    their arithmetic (and the weight-only formats' dispatch to a dequantized GEMM past the
-    crossover of `loom quantize --calibrate`) at more."""
+    their arithmetic (and each format's dispatch to other kernels, `loom calibrate --linears`) at
+    more."""
     import torch
     from torch import nn
 
@@ -206,10 +205,10 @@ def conditions() -> dict:
     import torch
 
     from loom.config import default_enforce_eager
-    from loom.quant.dispatch import load_crossover
+    from loom.layers.dispatch import FORMATS, load_plan
 
     return {"threads": torch.get_num_threads(), "enforce_eager": default_enforce_eager(),
-            "quant_crossover": {m: load_crossover(m) for m in ("int8", "int4")}}
+            "linear_dispatch": {fmt: [list(step) for step in load_plan(fmt)] for fmt in FORMATS}}
 
 
 def measure(collectives: bool = True, dtypes: tuple[str, ...] = LINEAR_DTYPES,

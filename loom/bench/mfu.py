@@ -39,21 +39,23 @@ def workload_flops(c: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequ
 
 
 def gemm_roof(c: ModelConfig, dtype: torch.dtype, tokens: int = 512, repeats: int = 5) -> dict[str, float]:
-    """FLOP/s of one decoder layer's four projections over `tokens` rows, through torch's
-    F.linear (oneDNN) and through Loom's panel kernels where this CPU has them; "roof" is the
-    faster. Random weights: the rate depends on the shapes only."""
-    from loom.layers.linear import DenseLinear, panel_kernels_available
+    """FLOP/s of one decoder layer's four projections over `tokens` rows through each kernel a
+    linear layer of `dtype` can dispatch to on this CPU (torch's F.linear, in the weights' dtype
+    or in fp32, and Loom's panel kernels where this CPU has them; each with its weights in the
+    form that kernel reads best); "roof" is the fastest. Random weights: the rate depends on the
+    shapes only."""
+    from loom.layers.dispatch import candidates, panels_available
+    from loom.layers.linear import DenseLinear
 
     shapes = layer_shapes(c)
     flops = 2 * tokens * sum(i * o for i, o in shapes)
     linears = [nn.Linear(i, o, bias=False, dtype=dtype) for i, o in shapes]
     inputs = [torch.randn(tokens, i, dtype=dtype) for i, _ in shapes]
-    kernels = {"torch": linears}
-    if panel_kernels_available(torch.device("cpu")):
-        kernels["loom"] = [DenseLinear(linear) for linear in linears]
     rates = {}
     with torch.inference_mode():
-        for name, layers in kernels.items():
-            rates[name] = flops / best_time(lambda: [layer(x) for layer, x in zip(layers, inputs)], repeats)
+        for kernel in candidates("fp32" if dtype == torch.float32 else "bf16", panels_available()):
+            layers = [DenseLinear(linear, ((tokens, kernel),)) for linear in linears]
+            rates[kernel] = flops / best_time(
+                lambda: [getattr(layer, kernel)(x) for layer, x in zip(layers, inputs)], repeats)
     rates["roof"] = max(rates.values())
     return rates

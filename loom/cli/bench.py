@@ -97,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode_run(pl, batches=[1, 8, 32], max_tokens=64)
     pl.add_argument("--hardware", type=Path,
                     help="hardware JSON written by `loom calibrate` under this run's conditions "
-                         "(threads, step mode, quantization crossover; default: calibrate now)")
+                         "(threads, step mode, linear dispatch plans; default: calibrate now)")
     pl.set_defaults(func=_planner)
 
     q = sub.add_parser("quality", help="held-out loss, needles and quantized agreement, through the engine")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     c = subparsers.add_parser("calibrate", help="measure this machine for `loom plan --hardware this-machine`")
     c.add_argument("--out", type=Path, help=f"where to write the hardware JSON (default {this_machine_path()})")
+    c.add_argument("--linears", action="store_true",
+                   help="instead: time every linear kernel per weight format and tokens per step, and store "
+                        "the fastest as each format's dispatch plan")
+    c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    c.add_argument("--plot", type=Path, default=Path("docs/benchmarks/linear_dispatch.png"),
+                   help="with --linears: where to draw every kernel's times (a .json beside it)")
     c.set_defaults(func=run_calibrate)
 
 
@@ -91,7 +98,32 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.linears:
+        _calibrate_linears(args.plot)
+        return
     from loom.bench.calibrate import calibrate
     hw = calibrate(args.out)
     print(hw.to_json())
     print(f"written to {args.out or this_machine_path()}")
+
+
+def _calibrate_linears(plot: Path) -> None:
+    from loom.bench.report import command, environment
+    from loom.layers.dispatch import calibrate, plot_calibration, save_plans
+
+    result = calibrate()
+    path = save_plans(result)
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    plot_calibration(result, plot)
+    report = {"command": command(sys.argv[1:]), "environment": environment(), **result}
+    plot.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    for fmt, plan in result["plans"].items():
+        steps = ", ".join(f"{kernel} up to {bound}" for bound, kernel in plan[:-1])
+        last = f"{plan[-1][1]} beyond" if len(plan) > 1 else f"{plan[-1][1]} always"
+        print(f"{fmt}: {', '.join(filter(None, (steps, last)))}; the pick / the fastest <= "
+              f"{max(result['check'][fmt]):.3f} (second pass)")
+    print(f"wrote {path}, {plot} and {plot.with_suffix('.json')}")

@@ -25,7 +25,7 @@ from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, P
 from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.scores import row_key
 from loom.kv.swap import SwapSpace
-from loom.layers.linear import panel_kernels_available
+from loom.layers.dispatch import plan_switches, planned_kernels
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
@@ -108,18 +108,20 @@ class ModelRunner:
         # alone (see _private_forward), so Dynamo need not guard its modules and parameters:
         # about a thousand checks, half a millisecond per step. Compiling needs every op of a
         # decode step to be traceable: the C++ attention is, the reference attention (a Python
-        # loop over sequences) is not. Where the linear layers are torch's GEMMs (no panel
-        # kernels on this CPU), inductor's pattern passes would fold a residual add into the GEMM
-        # before its output is rounded (addmm): they stay off, so bf16 steps round as eager's.
+        # loop over sequences) is not. Where a decode step's linear layers may run torch's GEMMs
+        # (their dispatch plans), inductor's pattern passes would fold a residual add into the
+        # GEMM before its output is rounded (addmm): they stay off, so bf16 steps round as eager's.
         # The C++ wrapper cannot call the process group's functional all-to-all ("arg type Any"),
         # so collectives through gloo or NCCL keep the Python wrapper.
         self.decode_forward = None
         if not config.enforce_eager and config.attention_backend == "cpp":
             cpp_wrapper = self.parallel.world_size == 1 or self.parallel.shm_group is not None
+            self.max_decode_batch = config.scheduler.max_num_seqs
+            torch_gemms = planned_kernels(self.model, self.max_decode_batch) - {"panel", "weight_only"}
             self.decode_forward = torch.compile(
                 _private_forward(self.model), fullgraph=True,
                 options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
-                         "pattern_matcher": panel_kernels_available(self.device),
+                         "pattern_matcher": not torch_gemms,
                          "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._compile_decode_graphs()
 
@@ -135,11 +137,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile_decode_graphs(self) -> None:
         """Compiles the decode graphs now, at load, so that no request waits for it: one step of
-        batch 1 and one of batch 2 (which makes the graph for every larger batch; with HOP-B,
-        up to the batch from which it splits the decodes, which takes one more), on block 0 of a
-        pool no sequence uses yet. Inductor caches the result on disk: later loads of the same
-        model are quick."""
-        batches = DECODE_GRAPH_BATCHES + ((HOP_B_MIN_SPLIT,) if self.parallel.hop_b else ())
+        batch 1 and one of batch 2 (which makes the graph for every larger batch, up to the next
+        batch at which a linear layer switches kernel or, with HOP-B, from which it splits the
+        decodes: each takes one more), on block 0 of a pool no sequence uses yet. Inductor
+        caches the result on disk: later loads of the same model are quick."""
+        switches = plan_switches(self.model, self.max_decode_batch)
+        if self.parallel.hop_b:
+            switches.add(HOP_B_MIN_SPLIT)
+        batches = DECODE_GRAPH_BATCHES + tuple(sorted(switches - set(DECODE_GRAPH_BATCHES)))
         for batch in tqdm(batches, desc="Compiling decode steps", unit="graph", disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,

@@ -1,12 +1,12 @@
 """Linear layers for inference, and the panel layouts Loom's CPU kernels read.
 
 Models are built and loaded with plain `nn.Linear` (so checkpoints, quantization and
-tensor-parallel slicing all see ordinary weights); `use_panel_linears` then swaps each one for a
-`DenseLinear` whose fp32 or bf16 weight is reordered once into panels of 32 output channels for
-`loom::dense_linear` (loom/kernels/linear.cpp). On this project's CPU that kernel streams weights at
-the machine's read bandwidth at batch 1 and keeps pace with oneDNN's GEMM up to prefill sizes
-(docs/benchmarks); torch's fp32 GEMM takes a generic, 2-4x slower code path here. The weight-only
-quantized layers (loom/quant/linear.py) use the same panels.
+tensor-parallel slicing all see ordinary weights); `use_dense_linears` then swaps each fp32 or
+bf16 one for a `DenseLinear`, which runs, by tokens per step, the kernel its dispatch plan names
+(loom/layers/dispatch.py): `loom::dense_linear` over weights reordered once into panels of 32
+output channels (loom/kernels/linear.cpp; CPUs with AVX-512 BF16, where it streams weights at the
+machine's read bandwidth at batch 1), or torch's GEMM in the weights' dtype or in fp32. The
+weight-only quantized layers (loom/quant/linear.py) use the same panels and the same dispatch.
 """
 from __future__ import annotations
 
@@ -14,17 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loom.kernels import load_kernels
+from loom.layers.dispatch import Plan, load_plan, planned_forward
 
 PANEL = 32  # output channels per panel
-
-
-def panel_kernels_available(device: torch.device) -> bool:
-    """Whether `loom::dense_linear` runs here (CPU with AVX-512 BF16; the kernels build)."""
-    if device.type != "cpu":
-        return False
-    load_kernels()
-    return torch.ops.loom.linear_vectorized()
 
 
 def pad_channels(t: torch.Tensor) -> torch.Tensor:
@@ -56,37 +48,52 @@ def unpack_columns(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 class DenseLinear(nn.Module):
-    """An fp32 or bf16 linear layer with its weight in the panel layout."""
+    """An fp32 or bf16 linear layer that picks its kernel by tokens per step (`plan`,
+    loom/layers/dispatch.py). Its weight is kept in the panel layout when the plan runs the panel
+    kernel at all, else as nn.Linear holds it; a GEMM over panels unpacks them at each call."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, plan: Plan | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         if w.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DenseLinear: weights must be float32 or bfloat16, got {w.dtype}")
-        self.weight = pack_columns(w) if w.dtype == torch.float32 else pack_pairs(w)
+        self.plan = plan or load_plan("fp32" if w.dtype == torch.float32 else "bf16")
+        self.packed = any(kernel == "panel" for _, kernel in self.plan)
+        if not self.packed:
+            self.weight = w.contiguous()
+        else:
+            self.weight = pack_columns(w) if w.dtype == torch.float32 else pack_pairs(w)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def unpacked_weight(self) -> torch.Tensor:
         """The weight [N, K] as nn.Linear holds it."""
+        if not self.packed:
+            return self.weight
         unpack = unpack_columns if self.weight.dtype == torch.float32 else unpack_pairs
         return unpack(self.weight, self.out_features, self.in_features)
 
+    def panel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.loom.dense_linear(x, self.weight, self.out_features)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.unpacked_weight())
+
+    def gemm_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.unpacked_weight().float()).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.loom.dense_linear(x.reshape(-1, self.in_features), self.weight, self.out_features)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*shape[:-1], self.out_features)
+        return planned_forward(self, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"plan={self.plan}")
 
 
-def use_panel_linears(module: nn.Module) -> None:
+def use_dense_linears(module: nn.Module) -> None:
     """Replaces every fp32/bf16 nn.Linear below `module` by a DenseLinear (in place)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.dtype in (torch.float32, torch.bfloat16):
             setattr(module, name, DenseLinear(child))
         else:
-            use_panel_linears(child)
+            use_dense_linears(child)

@@ -286,10 +286,8 @@ def _four_bit_codes(reader: Any, path: Path, model: nn.Module) -> dict[str, tupl
 def _use_int4_layers(model: nn.Module, codes: dict[str, tuple[torch.Tensor, ...]]) -> list[str]:
     """Swaps each nn.Linear of `model` whose checkpoint tensors all have codes for an int4
     WeightOnlyLinear built from them; returns the names of the others."""
-    from loom.quant.dispatch import load_crossover
     from loom.quant.linear import WeightOnlyLinear
 
-    crossover = load_crossover("int4")
     by_shard = sorted(model.packed_params.items(), key=lambda item: item[1][1])
     kept = []
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
@@ -300,7 +298,7 @@ def _use_int4_layers(model: nn.Module, codes: dict[str, tuple[torch.Tensor, ...]
             kept.append(name)
             continue
         bias = None if linear.bias is None else linear.bias.detach()
-        layer = WeightOnlyLinear(linear.in_features, linear.out_features, "int4", 32, bias, crossover)
+        layer = WeightOnlyLinear(linear.in_features, linear.out_features, "int4", 32, bias)
         layer.load_quantized(*(torch.cat(parts) for parts in zip(*(codes[s] for s in shards))))
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     return kept

@@ -11,7 +11,7 @@ from torch import nn
 
 from loom.config import EngineConfig
 from loom.kernels import load_kernels
-from loom.layers.linear import panel_kernels_available, use_panel_linears
+from loom.layers.linear import use_dense_linears
 from loom.models.config import GPT_NEOX, ModelConfig
 from loom.models.gpt_neox import GPTNeoXForCausalLM
 from loom.models.llama import LlamaForCausalLM
@@ -51,8 +51,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> CausalLM:
     """The model as an engine runs it: weights loaded (or read quantized), quantized at load
-    time if asked, cut to this rank's tensor-parallel shard, linear layers on Loom's panel
-    kernels where they run, attention backend set."""
+    time if asked, cut to this rank's tensor-parallel shard, linear layers choosing their kernel by
+    tokens per step, attention backend set."""
     if config.attention_backend == "cpp":
         load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
     model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
@@ -61,8 +61,8 @@ def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> 
         quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver)
     if parallel is not None and parallel.tp_size > 1:
         shard_model(model, parallel)
-    if config.pack_linear_weights and panel_kernels_available(torch.device(config.device)):
-        use_panel_linears(model)
+    if config.linear_dispatch and torch.device(config.device).type == "cpu":
+        use_dense_linears(model)
     return model
 
 

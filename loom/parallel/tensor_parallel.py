@@ -70,7 +70,7 @@ def keep_rows(layer: Layer, rows: torch.Tensor) -> Layer:
     if isinstance(layer, nn.Linear):
         return _linear(layer.weight[rows], bias)
     q, scales, zeros = layer.portable()
-    part = WeightOnlyLinear(layer.in_features, len(rows), layer.method, layer.group_size, bias, layer.crossover)
+    part = WeightOnlyLinear(layer.in_features, len(rows), layer.method, layer.group_size, bias, layer.plan)
     part.load_quantized(q[rows], scales[rows], None if zeros is None else zeros[rows])
     return part
 
@@ -83,7 +83,7 @@ def keep_columns(layer: Layer, columns: slice, name: str, state: ParallelState) 
         return _linear(layer.weight[:, columns], bias)
     q, scales, zeros = layer.portable()
     part = WeightOnlyLinear(columns.stop - columns.start, layer.out_features, layer.method, layer.group_size, bias,
-                            layer.crossover)
+                            layer.plan)
     if layer.method == "int8":  # a scale per output channel: unchanged by the cut
         part.load_quantized(q[:, columns], scales)
         return part

@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from loom.models.config import QUANT_FORMAT, read_hf_config
-from loom.quant.dispatch import load_crossover
 from loom.quant.linear import WeightOnlyLinear
 from loom.quant.quantize import check_options, pack_int4, unpack_int4
 
@@ -66,7 +65,6 @@ def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Pat
     q = model.config.quantization
     method, group_size = q["method"], int(q.get("group_size", 0))
     check_options(method, group_size)
-    crossover = load_crossover(method)
     unconverted = set(q.get("modules_to_not_convert", []))
     unknown = unconverted - {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if unknown:
@@ -75,7 +73,7 @@ def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Pat
     layers: dict[str, WeightOnlyLinear] = {}
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in unconverted]:
         parent, _, attr = name.rpartition(".")
-        layer = WeightOnlyLinear(linear.in_features, linear.out_features, method, group_size, None, crossover)
+        layer = WeightOnlyLinear(linear.in_features, linear.out_features, method, group_size, None)
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
         layers[name] = layer
     params = dict(model.named_parameters())

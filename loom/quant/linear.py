@@ -1,11 +1,10 @@
 """Weight-only quantized linear layers, swapped in for nn.Linear.
 
-The kernel is chosen per call by the number of tokens: Loom's weight-only kernels
-(`torch.ops.loom.int8_linear` / `int4_linear`, loom/kernels/linear.cpp) read the compressed weights
-and multiply them as integers with an int8 copy of the activations (a scale per 32 inputs);
-past the measured crossover (dispatch.py) the layer dequantizes to bf16 and runs an ordinary
-GEMM. The
-layer keeps only the kernel's form of the weights; `portable()` gives back the checkpoint form.
+The kernel is chosen per call by the number of tokens (the layer's plan, loom/layers/dispatch.py):
+Loom's weight-only kernels (`torch.ops.loom.int8_linear` / `int4_linear`, loom/kernels/linear.cpp)
+read the compressed weights and multiply them as integers with an int8 copy of the activations (a
+scale per 32 inputs); the others dequantize and run an ordinary GEMM. The layer keeps only the
+kernel's form of the weights; `portable()` gives back the checkpoint form.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from loom.kernels import load_kernels
+from loom.layers.dispatch import Plan, load_plan, planned_forward
 from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4_for_kernel,
                                  pack_int8_for_kernel, quantize_int4, quantize_int8, unpack_groups_from_kernel,
                                  unpack_int4_from_kernel, unpack_int8_from_kernel)
@@ -20,10 +20,11 @@ from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_f
 
 class WeightOnlyLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, method: str, group_size: int,
-                 bias: torch.Tensor | None, crossover: int) -> None:
+                 bias: torch.Tensor | None, plan: Plan | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.method, self.group_size, self.crossover = method, group_size, crossover
+        self.method, self.group_size = method, group_size
+        self.plan = plan or load_plan(method)
         self.bias = bias
         # Set by `load_quantized`, in the kernels' panel layouts (loom/kernels/linear.cpp). int8: q + 128
         # as uint8, scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
@@ -37,9 +38,10 @@ class WeightOnlyLinear(nn.Module):
         self.gemm_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, method: str, group_size: int, crossover: int) -> "WeightOnlyLinear":
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int,
+                    plan: Plan | None = None) -> "WeightOnlyLinear":
         layer = cls(linear.in_features, linear.out_features, method, group_size,
-                    None if linear.bias is None else linear.bias.detach(), crossover)
+                    None if linear.bias is None else linear.bias.detach(), plan)
         w = linear.weight.detach()
         if method == "int8":
             layer.load_quantized(*quantize_int8(w))
@@ -69,7 +71,7 @@ class WeightOnlyLinear(nn.Module):
         return (unpack_int4_from_kernel(self.q, n, k), unpack_groups_from_kernel(self.scales, n),
                 unpack_groups_from_kernel(self.zeros, n))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def reference_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight matrix [N, K] as the kernels see it (plain PyTorch: the reference)."""
         q, scales, zeros = self.portable()
         if self.method == "int8":
@@ -82,25 +84,25 @@ class WeightOnlyLinear(nn.Module):
             return torch.ops.loom.int8_linear(x, self.q, self.scales)
         return torch.ops.loom.int4_linear(x, self.q, self.scales, self.zeros, self.group_size, self.out_features)
 
-    def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize straight to bf16 (C++, no fp32 copy of the matrix), then a GEMM in
-        `gemm_dtype`."""
+    def _dequantized_weight(self) -> torch.Tensor:
+        """Dequantized straight to bf16 (C++, no fp32 copy of the matrix)."""
         if self.method == "int8":
-            w = torch.ops.loom.int8_dequantize(self.q, self.scales, self.in_features)
-        else:
-            w = torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features,
-                                               self.out_features)
+            return torch.ops.loom.int8_dequantize(self.q, self.scales, self.in_features)
+        return torch.ops.loom.int4_dequantize(self.q, self.scales, self.zeros, self.group_size, self.in_features,
+                                              self.out_features)
+
+    def dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize, then a GEMM in `gemm_dtype`."""
         dtype = self.gemm_dtype or x.dtype
-        return torch.nn.functional.linear(x.to(dtype), w.to(dtype)).to(x.dtype)
+        return torch.nn.functional.linear(x.to(dtype), self._dequantized_weight().to(dtype)).to(x.dtype)
+
+    def dequantized_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize, then a GEMM in fp32."""
+        return torch.nn.functional.linear(x.float(), self._dequantized_weight().float()).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        out = self.weight_only(x2) if x2.shape[0] <= self.crossover else self.dequantized_gemm(x2)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*shape[:-1], self.out_features)
+        return planned_forward(self, x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
-                f"group_size={self.group_size}, crossover={self.crossover}")
+                f"group_size={self.group_size}, plan={self.plan}")
