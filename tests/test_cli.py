@@ -30,13 +30,13 @@ def test_broken_config(capsys, tmp_path):
     assert code == 1 and "field 'architectures'" in err and err.count("\n") == 1
 
 
-def test_bad_option_value(capsys, hf_models):
+def test_bad_option_value(capsys, hf_models, tmp_path):
     model_dir, _ = hf_models("llama_gqa")
     capsys.readouterr()  # what building the model printed
     code, err = run(capsys, "generate", "--model", str(model_dir), "--max-tokens", "0", "hi")
     assert code == 1 and err == "loom: error: max_tokens: must be >= 1, got 0\n"
-    code, err = run(capsys, "quantize", str(model_dir), "--method", "int4")
-    assert code == 1 and err == "loom: error: give SRC and DST directories (or --calibrate)\n"
+    code, err = run(capsys, "quantize", str(model_dir), str(tmp_path / "q"), "--method", "int4", "--group-size", "48")
+    assert code == 1 and err == "loom: error: group_size: must be one of (32, 64, 128), got 48\n"
 
 
 def test_debug_shows_the_traceback(capsys):
