@@ -233,9 +233,9 @@ def plot_calibration(result: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("tokens in the step")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("ms per layer (median)")
-    fig.suptitle(f"Linear kernels per format, {result['family']}, {result['threads']} threads, reference-model "
-                 f"layer shapes", fontsize=9)
+    axes[0][0].set_ylabel("ms per matmul (fastest pass)")
+    fig.suptitle(f"Linear kernels per format: CPU family {result['family']}, {result['threads']} threads, "
+                 f"layer shapes {result['shapes']} (out x in)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
