@@ -93,12 +93,19 @@ def load_plan(fmt: str) -> Plan:
     path = plan_path()
     if not path.is_file():
         return DEFAULT_PLANS[cpu_family()][fmt]
-    plan = tuple((int(bound), kernel) for bound, kernel in json.loads(path.read_text())["plans"][fmt])
+    plan = _stored_plans(path, path.stat().st_mtime_ns)[fmt]
     unknown = {kernel for _, kernel in plan} - set(candidates(fmt, panels_available()))
     if unknown:
         raise ValueError(f"{path}: the {fmt} plan names kernels this CPU does not run ({sorted(unknown)}): "
                          f"measured on another machine? Run `loom calibrate --linears` here, or delete it")
     return plan
+
+
+@cache
+def _stored_plans(path: Path, mtime_ns: int) -> dict[str, Plan]:
+    """The plans in `path` (read once per version of the file, not once per layer)."""
+    return {fmt: tuple((int(bound), kernel) for bound, kernel in plan)
+            for fmt, plan in json.loads(path.read_text())["plans"].items()}
 
 
 def choose(plan: Plan, tokens: int) -> str:
