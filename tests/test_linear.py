@@ -12,7 +12,7 @@ from loom.layers.dispatch import (DEFAULT_PLANS, candidates, choose, cpu_family,
 from loom.layers.linear import DenseLinear, pack_columns, pack_pairs, unpack_columns, unpack_pairs, use_dense_linears
 
 PANELS = panels_available()
-NO_PANELS = "this CPU has no AVX-512 BF16: Loom's panel kernels do not run here"
+NO_PANELS = "this CPU has neither AVX-512 BF16 nor AVX2 with FMA: Loom's panel kernels do not run here"
 FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 FORMAT_BOUNDS = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 

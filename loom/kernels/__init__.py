@@ -11,7 +11,7 @@ eager calls cost no Python.
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
-  linear_vectorized       whether this build has those kernels' AVX-512 BF16 paths
+  linear_isa              which vector path those kernels were built with (AVX-512 BF16, AVX2)
   shm_open_group, shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_all_to_all  the
                           collectives between the processes of one machine, through shared
                           memory (shm_all_reduce.cpp), for parallel ranks; the all-to-all

@@ -26,9 +26,17 @@
 // group; each group's sum is scaled in fp32. The rounding of x, |x - s_g a| <= s_g / 2 =
 // max|x over the group| / 254, is bf16's relative precision (2^-8) for the group's largest element.
 // loom/layers/linear.py and loom/quant/quantize.py build the layouts. Panels are split across
-// threads; every thread keeps x in cache. Without AVX-512 (BF16, VNNI) the quantized kernels
-// dequantize with plain loops and call a bf16 GEMM (correct, slow), and the engine leaves dense
-// layers to torch.
+// threads; every thread keeps x in cache.
+//
+// Two builds of the kernels read the same layouts. With AVX-512 (BF16, VNNI) a step's 64-byte
+// half is one vector, as above. With AVX2 and FMA only (AMD Zen 2/3, Intel before Ice Lake) it
+// is two vectors of 8 channels, and what those CPUs lack is done with what they have: bf16
+// weights are widened to fp32 in registers (a shift or a mask per pair) and meet fp32
+// activations in fmas; the integer dot products are vpmaddubsw (uint8 x int8 -> int16 pairs)
+// then vpmaddwd with ones (-> int32), with int8 weights' sign moved onto the activations first
+// (|q| x sign(a, q)), since u = q + 128 times an int8 would overflow int16. Without either the
+// quantized kernels dequantize with plain loops and call a bf16 GEMM (correct, slow), and the
+// engine leaves dense layers to torch.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,16 +47,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define LOOM_LINEAR_VECTORIZED 1
+#define LOOM_LINEAR_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LOOM_LINEAR_AVX2 1
+#endif
+#if defined(LOOM_LINEAR_AVX512) || defined(LOOM_LINEAR_AVX2)
+#define LOOM_LINEAR_PANELS 1  // dense_linear and the weight-only kernels exist
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -111,7 +122,54 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_PANELS
+// Every format's panel is a sequence of 128-byte steps (32 channels x 4 bytes: one fp32 input,
+// a bf16 pair, an int8 quad or an int4 octet), two 64-byte halves of 16 channels each.
+// Loading step s also prefetches step s + kPrefetchSteps: at batch 1 the hardware prefetcher
+// alone left each core short of memory parallelism (measured on the 134M model's layers:
+// bf16 weights streamed at 0.68 of the machine's read bandwidth without, 0.85 with 32 steps).
+constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
+
+inline const char* prefetched_step(const void* panel, int64_t s) {
+  const char* p = static_cast<const char*>(panel) + s * kStepBytes;
+  _mm_prefetch(p + kPrefetchSteps * kStepBytes, _MM_HINT_T0);
+  _mm_prefetch(p + kPrefetchSteps * kStepBytes + 64, _MM_HINT_T0);
+  return p;
+}
+
+// Four int8 activations as one 32-bit value, to broadcast to every lane.
+inline int32_t quad_at(const int8_t* a) {
+  int32_t quad;
+  std::memcpy(&quad, a, sizeof quad);
+  return quad;
+}
+
+// Calls step(u, i) for i in [begin, end), u = i % U as a compile-time index (accumulators
+// chosen by u stay in registers): few rows alternate accumulators to hide the dot product's latency.
+template <int U, typename Step>
+inline void unrolled(int64_t begin, int64_t end, Step step) {
+  int64_t i = begin;
+  for (; i + U <= end; i += U)
+    [&]<int... u>(std::integer_sequence<int, u...>) { (step(std::integral_constant<int, u>{}, i + u), ...); }(
+        std::make_integer_sequence<int, U>{});
+  for (; i < end; ++i) step(std::integral_constant<int, 0>{}, i);
+}
+#endif
+
+// Zeroes an accumulator: one vector, or every vector of a (nested) array of them.
+#ifdef LOOM_LINEAR_AVX512
+inline void set_zero(__m512& v) { v = _mm512_setzero_ps(); }
+inline void set_zero(__m512i& v) { v = _mm512_setzero_si512(); }
+#elif defined(LOOM_LINEAR_AVX2)
+inline void set_zero(__m256& v) { v = _mm256_setzero_ps(); }
+inline void set_zero(__m256i& v) { v = _mm256_setzero_si256(); }
+#endif
+template <typename V, size_t N>
+inline void set_zero(V (&a)[N]) {
+  for (auto& v : a) set_zero(v);
+}
+
+#ifdef LOOM_LINEAR_AVX512
 constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
 constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
 
@@ -123,22 +181,10 @@ inline __m512bh pair_of(const uint16_t* x, int64_t p) {
 }
 
 // Four int8 activations in every lane.
-inline __m512i quad_of(const int8_t* a) {
-  int32_t quad;
-  std::memcpy(&quad, a, sizeof quad);
-  return _mm512_set1_epi32(quad);
-}
+inline __m512i quad_of(const int8_t* a) { return _mm512_set1_epi32(quad_at(a)); }
 
-// Every format's panel is a sequence of 128-byte steps (32 channels x 4 bytes: one fp32 input,
-// a bf16 pair, an int8 quad or an int4 octet), two 64-byte halves of 16 channels each.
-// Loading step s also prefetches step s + kPrefetchSteps: at batch 1 the hardware prefetcher
-// alone left each core short of memory parallelism (measured on the 134M model's layers:
-// bf16 weights streamed at 0.68 of the machine's read bandwidth without, 0.85 with 32 steps).
-constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
 inline void load_step(const void* panel, int64_t s, __m512i& half0, __m512i& half1) {
-  const char* p = static_cast<const char*>(panel) + s * kStepBytes;
-  _mm_prefetch(p + kPrefetchSteps * kStepBytes, _MM_HINT_T0);
-  _mm_prefetch(p + kPrefetchSteps * kStepBytes + 64, _MM_HINT_T0);
+  const char* p = prefetched_step(panel, s);
   half0 = _mm512_loadu_si512(p);
   half1 = _mm512_loadu_si512(p + 64);
 }
@@ -163,25 +209,6 @@ inline void store_panel_row(Out* y, __m512 v0, __m512 v1, const float* scale, in
     else
       _mm256_mask_storeu_epi16(y + 16 * h, live, (__m256i)_mm512_cvtneps_pbh(v));
   }
-}
-
-// Calls step(u, i) for i in [begin, end), u = i % U as a compile-time index (accumulators
-// chosen by u stay in registers): few rows alternate accumulators to hide the dot product's latency.
-// Zeroes an accumulator: one vector, or every vector of a (nested) array of them.
-inline void set_zero(__m512& v) { v = _mm512_setzero_ps(); }
-inline void set_zero(__m512i& v) { v = _mm512_setzero_si512(); }
-template <typename V, size_t N>
-inline void set_zero(V (&a)[N]) {
-  for (auto& v : a) set_zero(v);
-}
-
-template <int U, typename Step>
-inline void unrolled(int64_t begin, int64_t end, Step step) {
-  int64_t i = begin;
-  for (; i + U <= end; i += U)
-    [&]<int... u>(std::integer_sequence<int, u...>) { (step(std::integral_constant<int, u>{}, i + u), ...); }(
-        std::make_integer_sequence<int, U>{});
-  for (; i < end; ++i) step(std::integral_constant<int, 0>{}, i);
 }
 
 // MR rows of x times one dense panel -> y rows (stride ldy). Step s of the panel broadcasts 32
@@ -216,6 +243,75 @@ constexpr auto dot_bf16 = [](__m512 acc, __m512i w, __m512i x) { return _mm512_d
 constexpr auto dot_fp32 = [](__m512 acc, __m512i w, __m512i x) {
   return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
 };
+#elif defined(LOOM_LINEAR_AVX2)
+// Rows of x per register tile: four accumulators a row (a panel's 32 channels), and with 16
+// vector registers, two rows leave room for the step's weights and the broadcast inputs.
+constexpr int kTileRows = 2, kIntTileRows = 2;
+
+// Four int8 activations in every lane.
+inline __m256i quad_of(const int8_t* a) { return _mm256_set1_epi32(quad_at(a)); }
+
+// A step as four vectors of 8 channels each (channels 8i .. 8i + 7 in w[i]).
+inline void load_step(const void* panel, int64_t s, __m256i (&w)[4]) {
+  const char* p = prefetched_step(panel, s);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+}
+
+// 8 bf16 -> fp32.
+inline __m256 widen_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// Stores a panel's row (channels n0 .. n0 + 31 of `valid`, four vectors), times `scale` [32]
+// when given, as fp32 or as bf16 (rounded to nearest even). Through a buffer: AVX2 has no masked
+// bf16 store, and a row costs this once per K * 32 weights.
+template <typename Out>
+inline void store_panel_row(Out* y, const __m256 (&v)[4], const float* scale, int64_t valid) {
+  alignas(32) float row[kPanel];
+  for (int i = 0; i < 4; ++i) _mm256_store_ps(row + 8 * i, v[i]);
+  for (int64_t c = 0; c < std::min(valid, kPanel); ++c) {
+    const float r = scale ? row[c] * scale[c] : row[c];
+    if constexpr (std::is_same_v<Out, float>)
+      y[c] = r;
+    else
+      y[c] = float_to_bf16(r);
+  }
+}
+
+// MR rows of fp32 x (row stride ldx) times one dense panel -> y rows (stride ldy). fp32 weights:
+// step s is input s. bf16 weights: step s is inputs 2s and 2s + 1, each channel's pair in one
+// dword lane: shifting the lane left by 16 bits gives input 2s's weight as fp32, masking its low
+// half gives input 2s + 1's.
+template <int MR, bool Bf16Weights, typename Out>
+inline void dense_tile(const float* x, int64_t ldx, int64_t steps, const void* panel, int64_t valid, Out* y,
+                       int64_t ldy) {
+  constexpr int U = MR >= 2 ? 1 : 2;  // one row: alternate accumulators to hide the fma's latency
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[U][MR][4];
+  set_zero(acc);
+  unrolled<U>(0, steps, [&](auto u, int64_t s) {
+    __m256i w[4];
+    load_step(panel, s, w);
+    for (int m = 0; m < MR; ++m) {
+      if constexpr (Bf16Weights) {
+        const __m256 even = _mm256_broadcast_ss(x + m * ldx + 2 * s), odd = _mm256_broadcast_ss(x + m * ldx + 2 * s + 1);
+        for (int i = 0; i < 4; ++i) {
+          acc[u][m][i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w[i], 16)), even, acc[u][m][i]);
+          acc[u][m][i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w[i], high_half)), odd, acc[u][m][i]);
+        }
+      } else {
+        const __m256 xs = _mm256_broadcast_ss(x + m * ldx + s);
+        for (int i = 0; i < 4; ++i) acc[u][m][i] = _mm256_fmadd_ps(_mm256_castsi256_ps(w[i]), xs, acc[u][m][i]);
+      }
+    }
+  });
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 1; u < U; ++u)
+      for (int i = 0; i < 4; ++i) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
+    store_panel_row(y + m * ldy, acc[0][m], nullptr, valid);
+  }
+}
 #endif
 
 // Rows of x as int8 in groups of `group` inputs (see the top of this file):
@@ -228,7 +324,7 @@ struct QuantizedRows {
   std::vector<int32_t> sums;    // [M, groups]
 };
 
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_AVX512
 // 16 inputs of a row (fewer at its end: `live`) as fp32.
 inline __m512 load_row(const float* x, __mmask16 live) { return _mm512_maskz_loadu_ps(live, x); }
 inline __m512 load_row(const uint16_t* x, __mmask16 live) {
@@ -259,6 +355,56 @@ void quantize_row(const T* x, int64_t K, QuantizedRows& r, int64_t m) {
     r.sums[m * r.groups + g] = _mm512_reduce_add_epi32(sum);
   }
 }
+#elif defined(LOOM_LINEAR_AVX2)
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+
+inline float max_of(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline int32_t sum_of(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, QuantizedRows& r, int64_t m) {
+  alignas(32) float xs[kInt8ActivationGroup];  // a group as fp32, zeros past K (groups are 32 or 64)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  int8_t* a = r.a.data() + m * r.stride;
+  for (int64_t g = 0; g < r.groups; ++g) {
+    const int64_t k0 = g * r.group;
+    for (int64_t i = 0; i < r.group; ++i) xs[i] = k0 + i < K ? to_float(x[k0 + i]) : 0.f;
+    __m256 largest = _mm256_setzero_ps();
+    for (int64_t i = 0; i < r.group; i += 8) largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_load_ps(xs + i)));
+    const float top = max_of(largest);
+    r.scale[m * r.groups + g] = top / 127.f;
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < r.group; i += 32) {
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) {
+        // Rounded to nearest even; |x / s| <= 127 up to the rounding of 1 / s: clamped to int8.
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(xs + i + 8 * j), inv));
+        q[j] = _mm256_max_epi32(_mm256_min_epi32(q[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        sum = _mm256_add_epi32(sum, q[j]);
+      }
+      // The packs work within 128-bit lanes: their dwords (4 inputs each) come out as q0..q3's
+      // first four inputs, then their last four; a permutation restores the inputs' order.
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + k0 + i),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    r.sums[m * r.groups + g] = sum_of(sum);
+  }
+}
+#endif
+
+#ifdef LOOM_LINEAR_PANELS
 
 // x [M, K] -> QuantizedRows in groups of `group` inputs covering at least `min_k` (zeros past K).
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t min_k, int64_t group) {
@@ -345,7 +491,7 @@ at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
   return output_like(y, x);
 }
 
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_AVX512
 // Accumulators per channel half and row: at 1-2 rows, two, so that more dot products are in
 // flight (4 per row measured no faster at batch 1, where memory sets the pace).
 template <int MR>
@@ -481,6 +627,82 @@ inline void store_bf16(uint16_t* out, int64_t k0, int64_t K, __m512 v) {
   if (live_k > 0)
     _mm256_mask_storeu_epi16(out + k0, static_cast<__mmask16>((1u << live_k) - 1), (__m256i)_mm512_cvtneps_pbh(v));
 }
+#elif defined(LOOM_LINEAR_AVX2)
+// MR rows of x times one int8 panel. Per activation group (16 quads) and row: sum(q a) in int32,
+// each quad's four products by vpmaddubsw(|q|, sign(a, q)) (|q| <= 127 and |a| <= 127, so an
+// int16 pair sum cannot saturate) and vpmaddwd with ones; then total += s_g sum(q a), and the
+// channel scales come last.
+template <int MR, typename Out>
+inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const uint8_t* panel, const float* scale,
+                      int64_t valid, Out* y, int64_t ldy) {
+  const int64_t quads_per_group = a.group / 4;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 total[MR][4];
+  set_zero(total);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i acc[MR][4];
+    set_zero(acc);
+    for (int64_t d = g * quads_per_group; d < std::min((g + 1) * quads_per_group, quads); ++d) {
+      __m256i w[4];
+      load_step(panel, d, w);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = _mm256_xor_si256(w[i], flip);  // u - 128
+        const __m256i magnitude = _mm256_abs_epi8(q);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x4 = quad_of(a.a.data() + (m0 + m) * a.stride + 4 * d);
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x4, q));
+          acc[m][i] = _mm256_add_epi32(acc[m][i], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 s = _mm256_set1_ps(a.scale[(m0 + m) * a.groups + g]);
+      for (int i = 0; i < 4; ++i) total[m][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][i]), s, total[m][i]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_panel_row(y + m * ldy, total[m], scale, valid);
+}
+
+// MR rows of x times one int4 panel. Per activation group (4 octets) and row: sum(q a) with
+// vpmaddubsw (q in 0..15 unsigned, a int8), accumulated in int16 over the group (at most
+// 8 x 2 x 15 x 127 = 30480, no saturation), widened to int32 once; then as the AVX-512 path,
+// total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
+template <int MR, typename Out>
+inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
+                      const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
+  constexpr int64_t kOctetsPerGroup = kInt4ActivationGroup / 8;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 total[MR][4];
+  set_zero(total);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i acc[MR][4];  // int16 pairs
+    set_zero(acc);
+    for (int64_t d = g * kOctetsPerGroup; d < (g + 1) * kOctetsPerGroup; ++d) {
+      __m256i w[4];
+      load_step(panel, d, w);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i low = _mm256_and_si256(w[i], nibble), high = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), nibble);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.a.data() + (m0 + m) * a.stride + 8 * d;
+          acc[m][i] = _mm256_add_epi16(acc[m][i], _mm256_add_epi16(_mm256_maddubs_epi16(low, quad_of(x)),
+                                                                   _mm256_maddubs_epi16(high, quad_of(x + 4))));
+        }
+      }
+    }
+    const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
+    for (int i = 0; i < 4; ++i) {
+      const __m256 ws = widen_bf16(scale + wg * kPanel + 8 * i);
+      const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = (m0 + m) * a.groups + g;
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][i], ones)), ws,
+                                         _mm256_mul_ps(offset, _mm256_set1_ps(static_cast<float>(a.sums[row]))));
+        total[m][i] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.scale[row]), total[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_panel_row(y + m * ldy, total[m], nullptr, valid);
+}
 #endif
 
 // The plain-loop path: dequantize, then a bf16 GEMM.
@@ -523,7 +745,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.dim() == 2, "int8_linear: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), quads = (K + 3) / 4;
   check_int8(q, scale, K);
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_PANELS
   const QuantizedRows a = quantize_rows(x, 4 * quads, kInt8ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -541,7 +763,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t M = x.size(0), K = x.size(1);
   check_int4(q, scale, zero, group_size, K);
   TORCH_CHECK(q.size(0) == panels(N), "int4_linear: q has ", q.size(0), " panels, expected ", panels(N));
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_PANELS
   const int64_t groups = K / group_size;
   const QuantizedRows a = quantize_rows(x, K, kInt4ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -560,9 +782,11 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels(N),
               "dense_linear: x [M, K], w [ceil(N/32), ...] contiguous (the panel layout)");
   const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
-#ifdef LOOM_LINEAR_VECTORIZED
-  if (w.scalar_type() == at::kFloat) {
-    TORCH_CHECK(w.size(1) == K * kPanel, "dense_linear: fp32 w must be [ceil(N/32), K * 32]");
+  const bool fp32 = w.scalar_type() == at::kFloat;
+  TORCH_CHECK(fp32 ? w.size(1) == K * kPanel : w.scalar_type() == at::kBFloat16 && w.size(1) == pairs * 2 * kPanel,
+              "dense_linear: w must be fp32 [ceil(N/32), K * 32] or bf16 [ceil(N/32), ceil(K/2) * 64]");
+#ifdef LOOM_LINEAR_AVX512
+  if (fp32) {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr<float>());
     const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<float>());
@@ -570,8 +794,6 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       panel_tile<decltype(rows)::value>(xp + m0 * K, K, K, wp + p * K * kPanel, dot_fp32, N - p * kPanel, y, N);
     });
   }
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == pairs * 2 * kPanel,
-              "dense_linear: w must be fp32 [ceil(N/32), K * 32] or bf16 [ceil(N/32), ceil(K/2) * 64]");
   const at::Tensor xb = bf16_input(x, 2 * pairs);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());  // one bf16 pair per uint32
@@ -579,8 +801,24 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
     panel_tile<decltype(rows)::value>(xp + m0 * pairs, pairs, pairs, wp + p * pairs * kPanel, dot_bf16,
                                       N - p * kPanel, y, N);
   });
+#elif defined(LOOM_LINEAR_AVX2)
+  // x in fp32 whatever its dtype (bf16 weights are widened to meet it), K padded to even for bf16.
+  const int64_t ldx = fp32 ? K : 2 * pairs;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (ldx != K) xf = at::constant_pad_nd(xf, {0, ldx - K});
+  const float* xp = xf.data_ptr<float>();
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  const int64_t steps = fp32 ? K : pairs;
+  return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
+    constexpr int MR = decltype(rows)::value;
+    const char* panel = wp + p * steps * kStepBytes;
+    if (fp32)
+      dense_tile<MR, false>(xp + m0 * ldx, ldx, steps, panel, N - p * kPanel, y, N);
+    else
+      dense_tile<MR, true>(xp + m0 * ldx, ldx, steps, panel, N - p * kPanel, y, N);
+  });
 #else
-  TORCH_CHECK(false, "dense_linear: this build has no AVX-512 BF16 kernels (the engine keeps torch's linear layers)");
+  TORCH_CHECK(false, "dense_linear: this build has no AVX2 or AVX-512 kernels (the engine keeps torch's linear layers)");
 #endif
 }
 
@@ -590,7 +828,7 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t
   const int64_t N = scale.numel(), quads = (K + 3) / 4;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_AVX512
   // After the transpose, lane i of a channel's vector holds its 4 inputs of quad c + i.
   return dequantize_panels(N, K, quads, qp, q, [&](int64_t n, __m512i v, int64_t c, uint16_t* out) {
     const __m512 s = _mm512_set1_ps(sp[n]);
@@ -612,7 +850,7 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-#ifdef LOOM_LINEAR_VECTORIZED
+#ifdef LOOM_LINEAR_AVX512
   // After the transpose, lane i of a channel's vector holds its octet c + i: low nibbles are
   // inputs 8(c + i) + t, high nibbles 8(c + i) + 4 + t. Interleaving the two nibble vectors by
   // dwords puts 128-bit lane L of `even` = inputs 32L .. 32L + 15 and of `odd` = the next 16.
@@ -643,18 +881,20 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
 
 }  // namespace
 
-// Whether this build has the vector paths above: without them dense_linear is unavailable and
-// the quantized kernels are plain loops.
-bool linear_vectorized() {
-#ifdef LOOM_LINEAR_VECTORIZED
-  return true;
+// Which vector paths this build has: "avx512_bf16", "avx2", or "" (then dense_linear is
+// unavailable and the quantized kernels are plain loops).
+std::string linear_isa() {
+#if defined(LOOM_LINEAR_AVX512)
+  return "avx512_bf16";
+#elif defined(LOOM_LINEAR_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
-  m.def("linear_vectorized() -> bool", &linear_vectorized);
+  m.def("linear_isa() -> str", &linear_isa);
   m.def("dense_linear(Tensor x, Tensor w, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor zero, int group_size, int out_features) -> Tensor");

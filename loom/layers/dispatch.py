@@ -3,7 +3,7 @@
 Every linear layer, dense (fp32, bf16) or weight-only quantized (int8, int4), has a few kernels
 that compute the same product (`candidates`), and a plan that names one per range of token
 counts. Few tokens are bound by reading the weights, many by arithmetic, and which kernel wins
-where depends on the CPU: on AVX-512 BF16 machines Loom's panel kernels (loom/kernels/linear.cpp)
+where depends on the CPU: Loom's panel kernels (loom/kernels/linear.cpp; AVX-512 BF16 or AVX2)
 read the weights at the memory's bandwidth; on AMX machines oneDNN's bf16 GEMM overtakes them
 past a few dozen tokens; on CPUs without native bf16 torch's bf16 GEMM is emulated, and from
 about 16 tokens an fp32 GEMM over weights widened at each call is several times faster.
@@ -31,7 +31,7 @@ from loom.kernels import load_kernels
 Plan = tuple[tuple[int, str], ...]
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
-# What each format can run, Loom's own kernel first (it needs AVX-512 BF16). A kernel named
+# What each format can run, Loom's own kernel first (it needs AVX-512 BF16 or AVX2). A kernel named
 # *_fp32 runs its GEMM in fp32 whatever the activations' dtype.
 _OWN = {"fp32": "panel", "bf16": "panel", "int8": "weight_only", "int4": "weight_only"}
 _GEMMS = {"fp32": ("gemm",), "bf16": ("gemm", "gemm_fp32"), "int8": ("dequantized", "dequantized_fp32"),
@@ -46,24 +46,40 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Until `loom calibrate --linears` has measured the machine. AVX-512 BF16: the panel kernels
 # kept pace with oneDNN's GEMM up to prefill sizes, and the weight-only kernels beat
 # dequantize-then-GEMM up to ~256 tokens on the reference model's layers. AMX: oneDNN's bf16 GEMM
-# was 3x the panel kernel at 32 tokens on a 4096 x 4096 layer. Without native bf16: torch's bf16
-# GEMM costs each row as one more matrix-vector product, behind a widening fp32 GEMM from 16 tokens.
+# was 3x the panel kernel at 32 tokens on a 4096 x 4096 layer. AVX2 (AMD Zen 3, measured): the
+# fp32 panel kernel leads torch's GEMM up to 64 tokens, the bf16 one (widening in registers) the
+# fp32 GEMM up to 256, and the integer kernels every dequantizing GEMM up to 512. Without either
+# build: torch's bf16 GEMM costs each row as one more matrix-vector product, behind a widening
+# fp32 GEMM from 16 tokens.
 DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
     "avx512_bf16": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),),
                     "int8": ((256, "weight_only"), (257, "dequantized")),
                     "int4": ((256, "weight_only"), (257, "dequantized"))},
     "amx": {"fp32": ((1, "panel"),), "bf16": ((16, "panel"), (17, "gemm")),
             "int8": ((16, "weight_only"), (17, "dequantized")), "int4": ((16, "weight_only"), (17, "dequantized"))},
+    "avx2": {"fp32": ((64, "panel"), (65, "gemm")), "bf16": ((256, "panel"), (257, "gemm_fp32")),
+             "int8": ((1, "weight_only"),), "int4": ((1, "weight_only"),)},
     "other": {"fp32": ((1, "gemm"),), "bf16": ((8, "gemm"), (9, "gemm_fp32")),
               "int8": ((8, "dequantized"), (9, "dequantized_fp32")),
               "int4": ((8, "dequantized"), (9, "dequantized_fp32"))},
 }
 
 
-def panels_available() -> bool:
-    """Whether Loom's panel kernels run on this CPU (AVX-512 BF16; the kernels built)."""
+@cache
+def linear_isa() -> str:
+    """The vector path Loom's linear kernels were built with here: "avx512_bf16", "avx2" or ""."""
     load_kernels()
-    return torch.ops.loom.linear_vectorized()
+    return torch.ops.loom.linear_isa()
+
+
+def panels_available() -> bool:
+    """Whether Loom's panel kernels run on this CPU (AVX-512 BF16, or AVX2 with FMA)."""
+    return linear_isa() != ""
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16); elsewhere torch emulates it."""
+    return linear_isa() == "avx512_bf16"
 
 
 def candidates(fmt: str, panels: bool) -> tuple[str, ...]:
@@ -73,9 +89,10 @@ def candidates(fmt: str, panels: bool) -> tuple[str, ...]:
 
 @cache
 def cpu_family() -> str:
-    """"amx", "avx512_bf16" (the panel kernels run) or "other"."""
-    if not panels_available():
-        return "other"
+    """"amx", "avx512_bf16", "avx2" (the panel kernels run, in that build) or "other"."""
+    isa = linear_isa()
+    if isa != "avx512_bf16":
+        return isa or "other"
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])

@@ -4,8 +4,8 @@ Models are built and loaded with plain `nn.Linear` (so checkpoints, quantization
 tensor-parallel slicing all see ordinary weights); `use_dense_linears` then swaps each fp32 or
 bf16 one for a `DenseLinear`, which runs, by tokens per step, the kernel its dispatch plan names
 (loom/layers/dispatch.py): `loom::dense_linear` over weights reordered once into panels of 32
-output channels (loom/kernels/linear.cpp; CPUs with AVX-512 BF16, where it streams weights at the
-machine's read bandwidth at batch 1), or torch's GEMM in the weights' dtype or in fp32. The
+output channels (loom/kernels/linear.cpp; CPUs with AVX-512 BF16 or AVX2, where it streams weights
+near the machine's read bandwidth at batch 1), or torch's GEMM in the weights' dtype or in fp32. The
 weight-only quantized layers (loom/quant/linear.py) use the same panels and the same dispatch.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loom.kernels import load_kernels
 from loom.layers.dispatch import Plan, load_plan, planned_forward
 
 PANEL = 32  # output channels per panel
@@ -63,6 +64,7 @@ class DenseLinear(nn.Module):
         if not self.packed:
             self.weight = w.contiguous()
         else:
+            load_kernels()
             self.weight = pack_columns(w) if w.dtype == torch.float32 else pack_pairs(w)
         self.bias = None if linear.bias is None else linear.bias.detach()
 

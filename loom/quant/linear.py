@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from loom.kernels import load_kernels
-from loom.layers.dispatch import Plan, load_plan, planned_forward
+from loom.layers.dispatch import Plan, load_plan, native_bf16, planned_forward
 from loom.quant.quantize import (dequantize_int4, dequantize_int8, pack_groups_for_kernel, pack_int4_for_kernel,
                                  pack_int8_for_kernel, quantize_int4, quantize_int8, unpack_groups_from_kernel,
                                  unpack_int4_from_kernel, unpack_int8_from_kernel)
@@ -53,7 +53,7 @@ class WeightOnlyLinear(nn.Module):
         """The portable form: int8 q [N, K] with fp32 scales [N]; or int4 values 0..15 as
         uint8 [N, K] with scales and zeros [N, K/G]."""
         load_kernels()
-        self.gemm_dtype = torch.bfloat16 if torch.ops.loom.linear_vectorized() else None
+        self.gemm_dtype = torch.bfloat16 if native_bf16() else None
         # The packers write fresh, aligned tensors: a checkpoint's can sit at any offset of its buffer.
         if self.method == "int8":
             self.q = pack_int8_for_kernel(q)
