@@ -40,14 +40,15 @@ def test_quantization_error_bounds():
 
 
 # Odd in_features and out_features not a multiple of 32 exercise the panel layouts' padding;
-# tokens cover the row tilings (1-2 rows alternate accumulators; tiles of at most 6 rows).
+# tokens cover the row tilings (AVX-512: 1-2 rows alternate accumulators, tiles of at most 6 rows;
+# AVX2: tiles of at most 2 rows).
 @pytest.mark.parametrize("method, group_size, in_features, out_features",
                          [("int8", 32, 200, 96), ("int8", 32, 201, 70), ("int4", 32, 160, 96), ("int4", 64, 192, 70),
                           ("int4", 128, 384, 96), ("int4", 32, 256, 33)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 9, 64])
 def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, out_features, tokens):
     """Each kernel against x @ dequant(W)^T in fp64.
-    The weight-only kernel computes exactly with x rounded to int8 in groups of inputs (int8: 128,
+    The weight-only kernel computes exactly with x rounded to int8 in groups of inputs (int8: 64,
     int4: 32; s_g = max|x over group g| / 127, |x - s_g round(x / s_g)| <= s_g / 2): its error is at most
     sum_k (s_g(k) / 2) |w_k| per output, plus fp32 rounding; with bf16 input and output, plus the
     output's bf16 rounding (relative 2^-8). The dequantized GEMMs run in bf16 or fp32: relative
@@ -76,6 +77,27 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
     assert full.dtype == torch.float32
     ref = x.double() @ w.t() + linear.bias.double()
     assert (full.double() - ref).abs().max() / ref.abs().max() < 0.01  # past 8 tokens: the dequantized GEMM
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_integer_dot_products_at_their_extremes(method):
+    """Every weight code and every activation at its largest magnitude (int8: |q| = 127, int4:
+    q = 15 but one per group; inputs all +-1, so each is 127 as int8): the integer sums are exact,
+    where int16 partial sums would saturate if the unsigned int8 codes (q + 128) met the
+    activations directly, or if int4's per-group sums were off by a step."""
+    torch.manual_seed(0)
+    n, k = 64, 256
+    if method == "int8":
+        w = torch.where(torch.rand(n, k) < 0.5, -0.01, 0.01)
+    else:
+        w = torch.ones(n, k)
+        w[:, ::32] = 0.0  # one 0 per group of 32: codes 15, and one 0
+    layer = WeightOnlyLinear.from_linear(nn.Linear(k, n, bias=False), method, 32, ((1, "weight_only"),))
+    layer.load_quantized(*(quantize_int8(w) if method == "int8" else quantize_int4(w, 32)))
+    x = torch.ones(2, k)
+    x[1] = -1
+    ref = x.double() @ layer.reference_weight().double().t()
+    torch.testing.assert_close(layer.weight_only(x).double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_dispatch_follows_the_plan(monkeypatch):

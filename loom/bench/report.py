@@ -46,7 +46,7 @@ def cpu() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    features = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    features = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     return {"model": name, "features": [f for f in features if f in flags]}
 
 

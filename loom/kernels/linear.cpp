@@ -29,8 +29,8 @@
 // threads; every thread keeps x in cache.
 //
 // Two builds of the kernels read the same layouts. With AVX-512 (BF16, VNNI) a step's 64-byte
-// half is one vector, as above. With AVX2 and FMA only (AMD Zen 2/3, Intel before Ice Lake) it
-// is two vectors of 8 channels, and what those CPUs lack is done with what they have: bf16
+// half is one vector, as above. With AVX2 and FMA (AMD Zen 2/3, and Intel CPUs whose AVX-512
+// lacks BF16) it is two vectors of 8 channels, and what those CPUs lack is done with what they have: bf16
 // weights are widened to fp32 in registers (a shift or a mask per pair) and meet fp32
 // activations in fmas; the integer dot products are vpmaddubsw (uint8 x int8 -> int16 pairs)
 // then vpmaddwd with ones (-> int32), with int8 weights' sign moved onto the activations first
