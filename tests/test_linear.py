@@ -25,8 +25,8 @@ def test_layouts_round_trip():
         assert torch.equal(unpack_pairs(pack_pairs(w.bfloat16()), n, k), w.bfloat16())
 
 
-# Row counts cover every register tiling of the panel kernel: 1-3 rows alternate accumulators, 40
-# rows are 4 tiles.
+# Row counts cover every register tiling of the panel kernel (AVX-512: 1-3 rows alternate
+# accumulators, 40 rows are 4 tiles; AVX2: one row alternates accumulators, tiles of 2 rows).
 @pytest.mark.parametrize("kernel, dtype, bound", [
     pytest.param(kernel, dtype, bound, marks=pytest.mark.skipif(kernel == "panel" and not PANELS, reason=NO_PANELS))
     for dtype, bound in FORMAT_BOUNDS for kernel in candidates(FORMAT[dtype], panels=True)])

@@ -112,12 +112,6 @@ inline void for_each_tile(int64_t M, F f) {
   }
 }
 
-// x as the dense bf16 kernel reads it: bf16, contiguous, K padded to `padded_k` with zeros.
-at::Tensor bf16_input(const at::Tensor& x, int64_t padded_k) {
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  return padded_k == x.size(1) ? xb : at::constant_pad_nd(xb, {0, padded_k - x.size(1)});
-}
-
 at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -170,6 +164,12 @@ inline void set_zero(V (&a)[N]) {
 }
 
 #ifdef LOOM_LINEAR_AVX512
+// x as the dense bf16 kernel reads it: bf16, contiguous, K padded to `padded_k` with zeros.
+at::Tensor bf16_input(const at::Tensor& x, int64_t padded_k) {
+  at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  return padded_k == x.size(1) ? xb : at::constant_pad_nd(xb, {0, padded_k - x.size(1)});
+}
+
 constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
 constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
 
