@@ -28,12 +28,21 @@ def models(smollm2_dir):
     return LLM(str(smollm2_dir), dtype="float32"), hf, AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def hf_generate(hf, ids: list[int]) -> list[int]:
-    """transformers' greedy tokens, stopping where its generation config says (EOS included)."""
-    x = torch.tensor([ids])
+def assert_transformers_greedy(hf, prompt: list[int], out) -> None:
+    """transformers' greedy generation from `prompt` would be `out`'s tokens: teacher-forced in one
+    forward, its argmax after each prefix is the token Loom chose (so, by induction, its own
+    generation makes the same choices), and it stops where Loom stopped: at an EOS of its
+    generation config, or at the token limit with no EOS before."""
     with torch.no_grad():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(ids):].tolist()
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
+    # row p predicts token p + 1: the rows from the prompt's last token on
+    assert logits[len(prompt) - 1:-1].argmax(dim=-1).tolist() == out.token_ids
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] in eos and not eos & set(out.token_ids[:-1])
+    else:
+        assert len(out.token_ids) == NEW_TOKENS and not eos & set(out.token_ids)
 
 
 def test_greedy_matches_transformers_plain_and_chat(models):
@@ -43,9 +52,8 @@ def test_greedy_matches_transformers_plain_and_chat(models):
     chats = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, plain):
         assert out.prompt_token_ids == tok(prompt)["input_ids"]
-        assert out.outputs[0].token_ids == hf_generate(hf, out.prompt_token_ids), prompt
-    for question, out in zip(QUESTIONS, chats):
-        assert out.outputs[0].token_ids == hf_generate(hf, out.prompt_token_ids), question
+    for out in plain + chats:
+        assert_transformers_greedy(hf, out.prompt_token_ids, out.outputs[0])
 
 
 def test_logits_track_transformers_over_512_tokens(models):

@@ -35,7 +35,7 @@ TINY_ARGS = [
     "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
     "--max-position-embeddings", "256", "--steps", "12", "--tokens-per-batch", "512",
     "--curriculum", "128:0.5:1,256:0.5:0.5", "--warmup-steps", "4", "--eval-every", "6",
-    "--eval-needles", "4", "--final-needles", "4",
+    "--eval-needles", "4", "--final-needles", "4", "--heldout-loss-chars", "8000",
 ]
 
 
@@ -198,7 +198,7 @@ def test_a_second_phase_continues_from_the_first(tiny_run: Path, tmp_path: Path)
     unchanged); the README lists both commands in order."""
     phase2 = tmp_path / "phase2"
     args = [*TINY_ARGS[:TINY_ARGS.index("--steps")], "--steps", "4", "--curriculum", "256:1:1", "--eval-every", "2",
-            "--eval-needles", "4", "--final-needles", "4", "--lr", "0", "--min-lr", "0"]
+            "--eval-needles", "4", "--final-needles", "4", "--heldout-loss-chars", "8000", "--lr", "0", "--min-lr", "0"]
     subprocess.run([sys.executable, str(SCRIPT), "--corpus", str(CORPUS), "--init", str(tiny_run), "--out", str(phase2),
                     *args], check=True, cwd=REPO, capture_output=True, timeout=120)
     log = json.loads((phase2 / "training_log.json").read_text())

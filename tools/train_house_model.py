@@ -99,6 +99,7 @@ class TrainConfig:
     seed: int = 1234
     threads: int = os.cpu_count() or 1
     heldout_fraction: float = 0.1
+    heldout_loss_chars: int = 0    # held-out loss over this many leading characters (0: all of them)
     steps: int = 3400
     tokens_per_batch: int = 4096
     # Stages run in order: (context length, share of steps, share of sequences carrying needles).
@@ -293,7 +294,7 @@ def load_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
     train_ids = torch.tensor(tokenizer.encode(train_text, add_special_tokens=False).ids)
     train_lines = train_text.split("\n")
     costs = [len(e.ids) for e in tokenizer.encode_batch([l + "\n" for l in train_lines], add_special_tokens=False)]
-    return Corpus(tokenizer, heldout_text, train_ids, train_lines, costs,
+    return Corpus(tokenizer, heldout_text[:cfg.heldout_loss_chars or None], train_ids, train_lines, costs,
                   heldout_text.split("\n"), character_names(train_text))
 
 
@@ -396,19 +397,24 @@ def make_batch(corpus: Corpus, cfg: TrainConfig, stage: Stage, rng: random.Rando
 # --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def heldout_nats_per_char(model: HouseLlama, corpus: Corpus, context: int, bf16: bool) -> float:
+def heldout_nats_per_char(model: HouseLlama, corpus: Corpus, context: int, bf16: bool,
+                          windows_per_batch: int = 16) -> float:
     """Total token NLL of the held-out text / its characters, in windows of `context` tokens,
-    each starting with BOS (the first text token of a window is predicted from BOS alone)."""
+    each starting with BOS (the first text token of a window is predicted from BOS alone). The
+    full windows run in batches; the last, shorter one alone."""
     model.eval()
     ids = corpus.tokenizer.encode(corpus.heldout_text, add_special_tokens=False).ids
-    total = 0.0
     step = context - 1
     windows = [[corpus.bos_id] + ids[i: i + step] for i in range(0, len(ids), step)]
-    for window in windows:
-        x = torch.tensor([window])
+    full = [w for w in windows if len(w) == context]
+    batches = [full[i: i + windows_per_batch] for i in range(0, len(full), windows_per_batch)]
+    batches += [[w] for w in windows if len(w) < context]
+    total = 0.0
+    for batch in batches:
+        x = torch.tensor(batch)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(x[:, :-1])
-        total += F.cross_entropy(logits.float()[0], x[0, 1:], reduction="sum").item()
+        total += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
     return total / len(corpus.heldout_text)
 
 

@@ -82,7 +82,10 @@ class GPTNeoXForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_dim)
-        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Weights come from the checkpoint: no random init (on the meta device that init alone
+        # imports torch's compiler, seconds in a process that never compiles).
+        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(GPTNeoXLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.embed_out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
