@@ -60,7 +60,7 @@ class LLM:
             runner.follow()
             raise SystemExit(0)
         if runner.parallel.world_size > 1:
-            atexit.register(runner.stop_followers)
+            atexit.register(runner.shutdown)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

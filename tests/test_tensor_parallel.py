@@ -261,6 +261,7 @@ for shm in (state.shm_group, None):
     assert torch.equal(comm.all_to_all_wait(third, [], shm), expected(3))
     assert torch.equal(torch.ops.loom.shm_all_reduce(torch.ones(7), state.shm_group), torch.full((7,), 2.0))
 print("sums ok")
+dist.destroy_process_group()
 """
 
 

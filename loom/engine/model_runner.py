@@ -250,8 +250,9 @@ class ModelRunner:
         return outputs
 
     def follow(self) -> None:
-        """On a rank other than 0: runs every step rank 0 sends, until it sends the end. A rank
-        gone (its connections closed) fails the collective waiting for it, and so this rank."""
+        """On a rank other than 0: runs every step rank 0 sends, until it sends the end (then
+        leaves the process group). A rank gone (its connections closed) fails the collective
+        waiting for it, and so this rank."""
         try:
             # Received under inference mode too: tensors unpickled outside it would not match the
             # compiled graphs' guards (one recompile per graph, seconds each, mid-run).
@@ -260,12 +261,19 @@ class ModelRunner:
                     self._run(inputs)
         except Exception as error:
             raise LockStepError(self.parallel, error) from error
+        self.shutdown()
 
-    def stop_followers(self) -> None:
-        """On rank 0: ends the other ranks' `follow`. After a failed step they are not waiting for
-        the end: this process's exit closes its connections, which fails their collective."""
-        if self.parallel.world_size > 1 and self.parallel.is_driver and not self._out_of_step:
+    def shutdown(self) -> None:
+        """Ends a run over several ranks: rank 0 ends the other ranks' `follow`, then each rank
+        leaves the process group (left to the interpreter's exit, gloo's worker threads can abort
+        the process: SIGABRT, "terminate called without an active exception"). After a failed
+        step the other ranks are not waiting for the end: this process's exit closes its
+        connections, which fails their collective."""
+        if self.parallel.world_size == 1 or self._out_of_step or not torch.distributed.is_initialized():
+            return
+        if self.parallel.is_driver:
             broadcast_step(None, self.parallel)
+        torch.distributed.destroy_process_group()
 
     def _count_collectives(self, inputs: StepInputs, broadcast_bytes: int) -> None:
         self.collectives.add("broadcast", 2, 8 + broadcast_bytes)  # the size, then the pickled inputs
