@@ -67,9 +67,44 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
             engine.step()
             steps += 1
         rates.append(steps / (time.perf_counter() - start))
+    for p in prompts:
+        engine.add_request(p, params)
+    engine.step()  # the prefill
     return {"engine": "loom", "dtype": dtype, "quantization": quantization, "batch": batch,
             "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
-            "all_steps_per_s": rates}
+            "all_steps_per_s": rates, "step_ms": decode_breakdown(engine)}
+
+
+# Operators by where a decode step's time goes: the linear layers (every kernel their dispatch can
+# pick) and attention; everything else (the engine loop, sampling, the compiled graph's own
+# work and its small fused kernels) is the step's fixed cost.
+LINEAR_OPS = frozenset({"loom::dense_linear", "loom::int8_linear", "loom::int4_linear", "loom::int8_dequantize",
+                        "loom::int4_dequantize", "aten::mm", "aten::addmm", "aten::linear"})
+ATTENTION_OPS = frozenset({"loom::paged_decode_attention", "loom::paged_decode_attention_scored",
+                           "loom::paged_prefill_attention", "aten::scaled_dot_product_attention"})
+
+
+def decode_breakdown(engine) -> dict[str, float]:
+    """Runs `engine`'s requests (their prefill done) to the end under torch's profiler: ms per
+    step in all (as profiled: the profiler adds its own cost, which lands in "other"), in the
+    linear layers' and in attention's operators (their own time, children excluded), and the
+    rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+    if steps == 0:
+        raise ValueError("decode_breakdown: the engine had no decode steps to run")
+    per_step_us = {e.key: e.self_cpu_time_total / steps for e in prof.key_averages()}
+    linear = sum(t for op, t in per_step_us.items() if op in LINEAR_OPS) / 1e3
+    attention = sum(t for op, t in per_step_us.items() if op in ATTENTION_OPS) / 1e3
+    total = elapsed / steps * 1e3
+    return {"profiled_step": total, "linear": linear, "attention": attention, "other": total - linear - attention}
 
 
 def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> dict:

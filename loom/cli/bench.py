@@ -736,7 +736,8 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
             rows.append(r)
-            print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
+            print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a profiled step: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()) + " ms", flush=True)
         if quant is None:
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
@@ -842,6 +843,8 @@ def _latency(args: argparse.Namespace) -> None:
                    steps_per_s=statistics.median(r["steps_per_s"] for r in samples),
                    all_steps_per_s=[x for r in samples for x in r["all_steps_per_s"]],
                    tok_per_s_rounds=[r["tok_per_s"] for r in samples])
+        if "step_ms" in first:  # Loom's: where a step's time goes, medians over rounds
+            row["step_ms"] = {k: statistics.median(r["step_ms"][k] for r in samples) for k in first["step_ms"]}
         # llama.cpp's weights' bytes per step are not Loom's; a checkpoint's format is its own
         if first["engine"] != "llama.cpp" and "checkpoint" not in first:
             row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
@@ -852,7 +855,10 @@ def _latency(args: argparse.Namespace) -> None:
               for k in per_round[0]}
     for r in rows:
         print(f"{r['engine']} {_variant(r)} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
-              + (f", MBU {r['mbu']:.2f}" if "mbu" in r else ""))
+              + (f", MBU {r['mbu']:.2f}" if "mbu" in r else "")
+              + (f"; a profiled step {r['step_ms']['profiled_step']:.2f} ms: linear {r['step_ms']['linear']:.2f}, "
+                 f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other']:.2f}"
+                 if "step_ms" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
     path = write_report(report_name("latency", model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
