@@ -18,7 +18,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in 
 
 
 def run(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model_dir), enforce_eager=enforce_eager, **kwargs)
+    # Batches of at most the 3 prompts: no decode graph for batches past a kernel switch
+    # (compiling one at load is the subject of its own test below).
+    llm = LLM(str(model_dir), enforce_eager=enforce_eager, max_num_seqs=4, **kwargs)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -116,7 +118,9 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
                              kv_budget=0.5) for p in PARAMS]
     outs, scores = {}, {}
     for eager in (True, False):
-        llm = LLM(str(model_dir), enforce_eager=eager, dtype="float32")
+        # At most 4 sequences: the load compiles the graphs of batch 1 and of 2 on, and no third
+        # for a kernel switch (which would satisfy the count of graphs below without a scored one).
+        llm = LLM(str(model_dir), enforce_eager=eager, dtype="float32", max_num_seqs=4)
         scheduler, seen = llm.engine.scheduler, []
         postprocess = scheduler.postprocess
 

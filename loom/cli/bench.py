@@ -736,8 +736,8 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
             rows.append(r)
-            print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a profiled step: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()) + " ms", flush=True)
+            print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a step, ms: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()), flush=True)
         if quant is None:
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
@@ -856,9 +856,9 @@ def _latency(args: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r['engine']} {_variant(r)} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
               + (f", MBU {r['mbu']:.2f}" if "mbu" in r else "")
-              + (f"; a profiled step {r['step_ms']['profiled_step']:.2f} ms: linear {r['step_ms']['linear']:.2f}, "
-                 f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other']:.2f}"
-                 if "step_ms" in r else ""))
+              + (f"; a step {r['step_ms']['step']:.2f} ms: linear {r['step_ms']['linear']:.2f}, "
+                 f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other_unprofiled']:.2f} "
+                 f"({r['step_ms']['other']:.2f} profiled)" if "step_ms" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
     path = write_report(report_name("latency", model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
