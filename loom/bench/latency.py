@@ -58,18 +58,20 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine, rates = llm.engine, []
-    for _ in range(repeats):
+
+    def prefill() -> None:  # the requests in and their prompts computed: every later step decodes
         for p in prompts:
             engine.add_request(p, params)
-        engine.step()  # the prefill
+        engine.step()
+
+    for _ in range(repeats):
+        prefill()
         steps, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
         rates.append(steps / (time.perf_counter() - start))
-    for p in prompts:
-        engine.add_request(p, params)
-    engine.step()  # the prefill
+    prefill()
     step_ms = decode_breakdown(engine)
     # The profiler's own cost lands outside the operators, in "other": the timed steps less the
     # operators' profiled times give it without (two runs apart, so it carries their spread).
