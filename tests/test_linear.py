@@ -26,7 +26,8 @@ def test_layouts_round_trip():
 
 
 # Row counts cover every register tiling of the panel kernel (AVX-512: 1-3 rows alternate
-# accumulators, 40 rows are 4 tiles; AVX2: one row alternates accumulators, tiles of 2 rows).
+# accumulators, 40 rows are 4 tiles; AVX2: one row alternates accumulators, two take a panel
+# whole, 3 to 6 in halves: 9 rows are tiles of 4 and 5, 40 of 5 and 6).
 @pytest.mark.parametrize("kernel, dtype, bound", [
     pytest.param(kernel, dtype, bound, marks=pytest.mark.skipif(kernel == "panel" and not PANELS, reason=NO_PANELS))
     for dtype, bound in FORMAT_BOUNDS for kernel in candidates(FORMAT[dtype], panels=True)])

@@ -244,9 +244,11 @@ constexpr auto dot_fp32 = [](__m512 acc, __m512i w, __m512i x) {
   return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
 };
 #elif defined(LOOM_LINEAR_AVX2)
-// Rows of x per register tile: four accumulators a row (a panel's 32 channels), and with 16
-// vector registers, two rows leave room for the step's weights and the broadcast inputs.
-constexpr int kTileRows = 2, kIntTileRows = 2;
+// Rows of x per register tile, with 16 vector registers. Dense: one or two rows take a panel's
+// 32 channels at once (four accumulators a row); three to six take it in two halves of 16
+// channels (two accumulators a row, 12 at most), so that each widened weight vector meets up to
+// six inputs. Quantized: four accumulators a row, two rows.
+constexpr int kTileRows = 6, kIntTileRows = 2;
 
 // Four int8 activations in every lane.
 inline __m256i quad_of(const int8_t* a) { return _mm256_set1_epi32(quad_at(a)); }
@@ -263,14 +265,14 @@ inline __m256 widen_bf16(const uint16_t* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-// Stores a panel's row (channels n0 .. n0 + 31 of `valid`, four vectors), times `scale` [32]
+// Stores a panel's row (channels n0 .. n0 + 8V - 1 of `valid`, V vectors), times `scale` [8V]
 // when given, as fp32 or as bf16 (rounded to nearest even). Through a buffer: AVX2 has no masked
 // bf16 store, and a row costs this once per K * 32 weights.
-template <typename Out>
-inline void store_panel_row(Out* y, const __m256 (&v)[4], const float* scale, int64_t valid) {
-  alignas(32) float row[kPanel];
-  for (int i = 0; i < 4; ++i) _mm256_store_ps(row + 8 * i, v[i]);
-  for (int64_t c = 0; c < std::min(valid, kPanel); ++c) {
+template <typename Out, size_t V>
+inline void store_panel_row(Out* y, const __m256 (&v)[V], const float* scale, int64_t valid) {
+  alignas(32) float row[8 * V];
+  for (size_t i = 0; i < V; ++i) _mm256_store_ps(row + 8 * i, v[i]);
+  for (int64_t c = 0; c < std::min<int64_t>(valid, 8 * V); ++c) {
     const float r = scale ? row[c] * scale[c] : row[c];
     if constexpr (std::is_same_v<Out, float>)
       y[c] = r;
@@ -282,10 +284,54 @@ inline void store_panel_row(Out* y, const __m256 (&v)[4], const float* scale, in
 // MR rows of fp32 x (row stride ldx) times one dense panel -> y rows (stride ldy). fp32 weights:
 // step s is input s. bf16 weights: step s is inputs 2s and 2s + 1, each channel's pair in one
 // dword lane: shifting the lane left by 16 bits gives input 2s's weight as fp32, masking its low
-// half gives input 2s + 1's.
+// half gives input 2s + 1's. One or two rows take the panel whole; three to six, in halves.
+//
+// Three to six rows take half `Half` of the panel (channels 16 Half .. 16 Half + 15: bytes 64 Half
+// .. 64 Half + 63 of each step), widening the even inputs' weights, then the odd ones', into the
+// same two registers. The first half's loads prefetch the whole step ahead; the second half
+// finds it in cache.
+template <int MR, bool Bf16Weights, int Half, typename Out>
+inline void dense_half_tile(const float* x, int64_t ldx, int64_t steps, const char* panel, int64_t valid, Out* y,
+                            int64_t ldy) {
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  // Rows as a pack m..., every accumulator named by a constant: GCC keeps them in registers only
+  // so (a loop over rows, before or after the steps, had it store each one to memory every step).
+  [&]<int... m>(std::integer_sequence<int, m...>) {
+    __m256 acc[MR][2] = {};
+    // Input k of each row times 16 channels' weights (inlined, or the accumulators go to memory).
+    auto meet = [&](__m256 w0, __m256 w1, int64_t k) __attribute__((always_inline)) {
+      ((acc[m][0] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + m * ldx + k), acc[m][0]),
+        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + m * ldx + k), acc[m][1])), ...);
+    };
+    for (int64_t s = 0; s < steps; ++s) {
+      const char* p = (Half == 0 ? prefetched_step(panel, s) : panel + s * kStepBytes) + 64 * Half;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      if constexpr (Bf16Weights) {
+        meet(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), 2 * s);
+        meet(_mm256_castsi256_ps(_mm256_and_si256(w0, high_half)),
+             _mm256_castsi256_ps(_mm256_and_si256(w1, high_half)), 2 * s + 1);
+      } else {
+        meet(_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1), s);
+      }
+    }
+    auto store = [&](int r, __m256 a0, __m256 a1) {
+      const __m256 row[2] = {a0, a1};
+      store_panel_row(y + r * ldy + 16 * Half, row, nullptr, valid - 16 * Half);
+    };
+    (store(m, acc[m][0], acc[m][1]), ...);
+  }(std::make_integer_sequence<int, MR>{});
+}
+
 template <int MR, bool Bf16Weights, typename Out>
 inline void dense_tile(const float* x, int64_t ldx, int64_t steps, const void* panel, int64_t valid, Out* y,
                        int64_t ldy) {
+  if constexpr (MR >= 3) {
+    const char* p = static_cast<const char*>(panel);
+    dense_half_tile<MR, Bf16Weights, 0>(x, ldx, steps, p, valid, y, ldy);
+    if (valid > 16) dense_half_tile<MR, Bf16Weights, 1>(x, ldx, steps, p, valid, y, ldy);
+    return;
+  }
   constexpr int U = MR >= 2 ? 1 : 2;  // one row: alternate accumulators to hide the fma's latency
   const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m256 acc[U][MR][4];

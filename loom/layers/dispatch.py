@@ -47,8 +47,8 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # kept pace with oneDNN's GEMM up to prefill sizes, and the weight-only kernels beat
 # dequantize-then-GEMM up to ~256 tokens on the reference model's layers. AMX: oneDNN's bf16 GEMM
 # was 3x the panel kernel at 32 tokens on a 4096 x 4096 layer. AVX2 (AMD Zen 3, measured): the
-# fp32 panel kernel leads torch's GEMM up to 64 tokens, the bf16 one (widening in registers) the
-# fp32 GEMM up to 256, and the integer kernels every dequantizing GEMM up to 512. Without either
+# panel kernels (bf16 widening in registers) lead torch's fp32 GEMM at every count up to 512
+# (1.2x and 1.75x there), and the integer kernels every dequantizing GEMM up to 512. Without either
 # build: torch's bf16 GEMM costs each row as one more matrix-vector product, behind a widening
 # fp32 GEMM from 16 tokens.
 DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
@@ -57,8 +57,8 @@ DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
                     "int4": ((256, "weight_only"), (257, "dequantized"))},
     "amx": {"fp32": ((1, "panel"),), "bf16": ((16, "panel"), (17, "gemm")),
             "int8": ((16, "weight_only"), (17, "dequantized")), "int4": ((16, "weight_only"), (17, "dequantized"))},
-    "avx2": {"fp32": ((64, "panel"), (65, "gemm")), "bf16": ((256, "panel"), (257, "gemm_fp32")),
-             "int8": ((1, "weight_only"),), "int4": ((1, "weight_only"),)},
+    "avx2": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
+             "int4": ((1, "weight_only"),)},
     "other": {"fp32": ((1, "gemm"),), "bf16": ((8, "gemm"), (9, "gemm_fp32")),
               "int8": ((8, "dequantized"), (9, "dequantized_fp32")),
               "int4": ((8, "dequantized"), (9, "dequantized_fp32"))},
