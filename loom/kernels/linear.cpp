@@ -281,11 +281,11 @@ inline void store_panel_row(Out* y, const __m256 (&v)[V], const float* scale, in
   }
 }
 
-// MR rows of fp32 x (row stride ldx) times one dense panel -> y rows (stride ldy). fp32 weights:
+// The dense panel's steps: fp32 weights:
 // step s is input s. bf16 weights: step s is inputs 2s and 2s + 1, each channel's pair in one
 // dword lane: shifting the lane left by 16 bits gives input 2s's weight as fp32, masking its low
-// half gives input 2s + 1's. One or two rows take the panel whole; three to six, in halves.
-//
+// half gives input 2s + 1's.
+
 // Three to six rows take half `Half` of the panel (channels 16 Half .. 16 Half + 15: bytes 64 Half
 // .. 64 Half + 63 of each step), widening the even inputs' weights, then the odd ones', into the
 // same two registers. The first half's loads prefetch the whole step ahead; the second half
@@ -300,8 +300,9 @@ inline void dense_half_tile(const float* x, int64_t ldx, int64_t steps, const ch
     __m256 acc[MR][2] = {};
     // Input k of each row times 16 channels' weights (inlined, or the accumulators go to memory).
     auto meet = [&](__m256 w0, __m256 w1, int64_t k) __attribute__((always_inline)) {
-      ((acc[m][0] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + m * ldx + k), acc[m][0]),
-        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + m * ldx + k), acc[m][1])), ...);
+      __m256 xs;
+      ((xs = _mm256_broadcast_ss(x + m * ldx + k), acc[m][0] = _mm256_fmadd_ps(w0, xs, acc[m][0]),
+        acc[m][1] = _mm256_fmadd_ps(w1, xs, acc[m][1])), ...);
     };
     for (int64_t s = 0; s < steps; ++s) {
       const char* p = (Half == 0 ? prefetched_step(panel, s) : panel + s * kStepBytes) + 64 * Half;
@@ -323,6 +324,8 @@ inline void dense_half_tile(const float* x, int64_t ldx, int64_t steps, const ch
   }(std::make_integer_sequence<int, MR>{});
 }
 
+// MR rows of fp32 x (row stride ldx) times one dense panel -> y rows (stride ldy): one or two rows
+// take the panel whole, three to six in halves (dense_half_tile).
 template <int MR, bool Bf16Weights, typename Out>
 inline void dense_tile(const float* x, int64_t ldx, int64_t steps, const void* panel, int64_t valid, Out* y,
                        int64_t ldy) {
