@@ -281,10 +281,9 @@ inline void store_panel_row(Out* y, const __m256 (&v)[V], const float* scale, in
   }
 }
 
-// The dense panel's steps: fp32 weights:
-// step s is input s. bf16 weights: step s is inputs 2s and 2s + 1, each channel's pair in one
-// dword lane: shifting the lane left by 16 bits gives input 2s's weight as fp32, masking its low
-// half gives input 2s + 1's.
+// The dense panel's steps: with fp32 weights, step s is input s; with bf16 weights, inputs 2s and
+// 2s + 1, each channel's pair in one dword lane: shifting the lane left by 16 bits gives input
+// 2s's weight as fp32, masking its low half gives input 2s + 1's.
 
 // Three to six rows take half `Half` of the panel (channels 16 Half .. 16 Half + 15: bytes 64 Half
 // .. 64 Half + 63 of each step), widening the even inputs' weights, then the odd ones', into the
