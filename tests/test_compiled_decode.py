@@ -11,6 +11,7 @@ import torch
 from conftest import build_hf_model
 
 from loom import LLM, SamplingParams
+from loom.engine import decode_graphs
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
            {"prompt_token_ids": [7] * 3}]
@@ -32,7 +33,7 @@ def test_compiled_decode_matches_eager(hf_models, kwargs):
     model_dir, _ = hf_models("llama_gqa")
     eager, _ = run(model_dir, True, **kwargs)
     compiled, llm = run(model_dir, False, **kwargs)
-    assert llm.engine.runner.decode_forward is not None
+    assert llm.engine.runner.decode_graphs is not None
     assert compiled == eager
     assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
@@ -40,12 +41,12 @@ def test_compiled_decode_matches_eager(hf_models, kwargs):
 def test_reference_attention_runs_eagerly(hf_models):
     model_dir, _ = hf_models("llama_gqa")
     llm = LLM(str(model_dir), enforce_eager=False, attention_backend="torch")
-    assert llm.engine.runner.decode_forward is None
+    assert llm.engine.runner.decode_graphs is None
 
 
 def test_engines_keep_their_own_graphs(tmp_path):
-    """The compiled graphs skip guards on modules and parameters, so each engine must own its
-    graphs: two live engines over same-shaped models, one of them quantized, called in
+    """The compiled graphs skip guards on modules and parameters, so each engine must run its
+    own model through them: two live engines over same-shaped models, one of them quantized, called in
     turn, each still generates what its eager run does."""
     dirs = [tmp_path / f"seed{seed}" for seed in (1, 2)]
     for seed, d in enumerate(dirs, 1):
@@ -60,23 +61,22 @@ def test_engines_keep_their_own_graphs(tmp_path):
             assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_engines_do_not_share_dynamic_shapes(hf_models):
-    """Dynamo learns which sizes vary per function; an int8 and then an int4 engine in one
-    process must each compile with their weights' sizes fixed (sizes passed in as dynamic cost
-    about 1 ms per decode step of the 134M model)."""
-    from torch._dynamo.pgo import get_code_state  # Dynamo's per-function record of varying sizes
-
+def test_saved_graphs_serve_the_same_engine_only(hf_models, tmp_path, monkeypatch):
+    """A load saves the graphs it compiles; a later engine of the same model and dtype loads them
+    (whatever its KV pool's size) and generates what eager does, while another quantization of
+    the model compiles graphs of its own."""
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path)
     model_dir, _ = hf_models("llama_gqa")
-    names = []
-    for quantization in ("int8", "int4"):
-        _, llm = run(model_dir, False, dtype="bfloat16", quantization=quantization)
-        names.append(llm.engine.runner.decode_forward.__wrapped__.__code__.co_name)
-    assert names[0] != names[1]
-    states = {code.name: state for code, state in get_code_state().items()}
-    for name in names:
-        dynamic = [source for source, entry in states[name].automatic_dynamic.items() if "_modules" in source
-                   and ("?" in entry.render() or "dynamic" in entry.render())]
-        assert dynamic == [], f"{name}: weights compiled with dynamic sizes: {dynamic[:3]}"
+    eager, _ = run(model_dir, True, dtype="bfloat16")
+    compiled = []
+    for kwargs in (dict(), dict(kv_cache_memory=1 << 20), dict(quantization="int8")):
+        outs, llm = run(model_dir, False, dtype="bfloat16", **kwargs)
+        graphs = llm.engine.runner.decode_graphs
+        compiled.append((len(graphs.graphs), graphs.num_compiled))
+        if "quantization" not in kwargs:
+            assert outs == eager
+    assert compiled == [(2, 2), (2, 0), (2, 2)]
+    assert len(list(tmp_path.glob("*/*.graph"))) == 4
 
 
 @pytest.mark.parametrize("switch", [False, True], ids=["one-kernel", "kernel-switch-at-3"])
@@ -84,8 +84,6 @@ def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_p
     """Loading compiles the batch-1 graph and the one for larger batches, and one more from each
     batch at which a linear layer's plan switches kernel; requests of any batch size after that
     compile nothing (no request waits for the compiler), and match eager ones."""
-    from torch._dynamo.utils import counters
-
     from loom.layers.dispatch import FORMATS, candidates, panels_available, plan_path
 
     kernels = candidates("bf16", panels_available())
@@ -93,26 +91,25 @@ def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_p
     if switch:
         plans["bf16"] = [[2, kernels[0]], [3, kernels[1]]]
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")  # none saved by earlier runs
     plan_path().write_text(json.dumps({"plans": plans}))
     model_dir, _ = hf_models("llama_mha")
-    before = counters["stats"]["unique_graphs"]
     llm = LLM(str(model_dir), enforce_eager=False, dtype="bfloat16")
-    assert counters["stats"]["unique_graphs"] - before == 2 + switch
-    loaded = counters["stats"]["unique_graphs"]
+    graphs = llm.engine.runner.decode_graphs
+    assert (len(graphs.graphs), graphs.num_compiled) == (2 + switch, 2 + switch)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # batches of 3, 2 and 1, contexts crossing blocks
     one = llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
-    assert counters["stats"]["unique_graphs"] == loaded
+    assert (len(graphs.graphs), graphs.num_compiled) == (2 + switch, 2 + switch)
     eager = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16").generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     assert one[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
-def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
+def test_scored_decode_is_compiled_and_matches_eager(hf_models, tmp_path, monkeypatch, policy):
     """Scored decode steps (the kernel adds each row's attention scores) run in a compiled
     graph of their own, beside the unscored one, with the same tokens as eager."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path)  # none saved by earlier runs
     model_dir, _ = hf_models("llama_gqa")
     params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, kv_policy=policy,
                              kv_budget=0.5) for p in PARAMS]
@@ -137,5 +134,4 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
     # The scores each step added, layer by layer, are the eager ones.
     assert [s[:2] for s in scores[False]] == [s[:2] for s in scores[True]]
     assert all(torch.allclose(c[2], e[2], atol=1e-5) for c, e in zip(scores[False], scores[True]))
-    code = llm.engine.runner.decode_forward._torchdynamo_orig_callable.__func__.__code__
-    assert len(_debug_get_cache_entry_list(code)) > 2  # the load's two unscored graphs, and the scored
+    assert len(llm.engine.runner.decode_graphs.graphs) > 2  # the load's two unscored graphs, and the scored

@@ -9,9 +9,6 @@ logprobs also gets the logits of its prompt rows.
 """
 from __future__ import annotations
 
-import itertools
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from loom.config import EngineConfig
+from loom.engine.decode_graphs import DecodeGraphs
 from loom.engine.sequence import Sequence
 from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, PromptScores
@@ -39,21 +37,8 @@ if TYPE_CHECKING:
     from loom.engine.scheduler import ScheduledBatch
 
 
-_engine_ids = itertools.count()
 # Decode batch sizes compiled at load: 1 has a graph of its own, 2 makes the one for all larger.
 DECODE_GRAPH_BATCHES = (1, 2)
-
-
-def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """`model.forward` over a code object of its own. Dynamo keeps compiled graphs per code
-    object; with guards on modules skipped, a graph cached on the shared forward could serve
-    another engine's model with this one's weights. The name is its own too: Dynamo keeps what
-    it learned about sizes per (file, line, name), and would otherwise treat the sizes in which
-    two engines' models differ (an int8 and an int4 model's weights) as dynamic, passing ~200
-    of them into every step of the engine compiled later (measured: 1 ms more per step)."""
-    f = model.forward.__func__
-    code = f.__code__.replace(co_name=f"{f.__name__}_engine{next(_engine_ids)}")
-    return types.MethodType(types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__), model)
 
 
 @dataclass
@@ -99,31 +84,26 @@ class ModelRunner:
         self.seed = config.seed
         self.kv_heads = (m.num_layers, m.num_kv_heads)
         self.stop_checker = stop_checker
-        # Decode-only steps are the many small ones, where per-op overhead rivals the weight
-        # reads: compiled graphs serve them (one for batch 1, one dynamic in batch size and
-        # context for the rest). Rounding as eager does keeps bf16 outputs identical; Dynamo's
-        # guards already check every input's shape, so the graph skips re-checking each
-        # intermediate's; a C++ wrapper calls the kernels (about 7% of an int8 batch-1 step
-        # saved against inductor's Python wrapper). The graphs belong to this engine's model
-        # alone (see _private_forward), so Dynamo need not guard its modules and parameters:
-        # about a thousand checks, half a millisecond per step. Compiling needs every op of a
-        # decode step to be traceable: the C++ attention is, the reference attention (a Python
-        # loop over sequences) is not. Where a decode step's linear layers may run torch's GEMMs
-        # (their dispatch plans), inductor's pattern passes would fold a residual add into the
-        # GEMM before its output is rounded (addmm): they stay off, so bf16 steps round as eager's.
-        # The C++ wrapper cannot call the process group's functional all-to-all ("arg type Any"),
-        # so collectives through gloo or NCCL keep the Python wrapper.
-        self.decode_forward = None
+        # Decode-only steps run through compiled graphs (loom/engine/decode_graphs.py). Rounding as
+        # eager does keeps bf16 outputs identical; the guards already check every input's shape, so
+        # the graph skips re-checking each intermediate's; a C++ wrapper calls the kernels (about
+        # 7% of an int8 batch-1 step saved against inductor's Python wrapper). Compiling needs
+        # every op of a decode step to be traceable: the C++ attention is, the reference attention
+        # (a Python loop over sequences) is not. Where a decode step's linear layers may run
+        # torch's GEMMs (their dispatch plans), inductor's pattern passes would fold a residual add
+        # into the GEMM before its output is rounded (addmm): they stay off, so bf16 steps round as
+        # eager's. The C++ wrapper cannot call the process group's functional all-to-all ("arg
+        # type Any"), so collectives through gloo or NCCL keep the Python wrapper.
+        self.decode_graphs = None
         if not config.enforce_eager and config.attention_backend == "cpp":
             cpp_wrapper = self.parallel.world_size == 1 or self.parallel.shm_group is not None
             self.max_decode_batch = config.scheduler.max_num_seqs
             torch_gemms = planned_kernels(self.model, self.max_decode_batch) - {"panel", "weight_only"}
-            self.decode_forward = torch.compile(
-                _private_forward(self.model), fullgraph=True,
-                options={"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
-                         "pattern_matcher": not torch_gemms,
-                         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-            self._compile_decode_graphs()
+            options = {"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
+                       "pattern_matcher": not torch_gemms}
+            self.decode_graphs = DecodeGraphs(self.model, self.cache, options,
+                                              repr((config.parallel, self.parallel.rank)))
+            self._prepare_decode_graphs()
 
     def _agreed(self, *counts: int) -> tuple[int, ...]:
         """The smallest of each count over the ranks (each rank sizes its pool from its own
@@ -135,22 +115,21 @@ class ModelRunner:
         return tuple(t.tolist())
 
     @torch.inference_mode()
-    def _compile_decode_graphs(self) -> None:
-        """Compiles the decode graphs now, at load, so that no request waits for it: one step of
-        batch 1 and one of batch 2 (which makes the graph for every larger batch, up to the next
-        batch at which a linear layer switches kernel or, with HOP-B, from which it splits the
-        decodes: each takes one more), on block 0 of a pool no sequence uses yet. Inductor
-        caches the result on disk: later loads of the same model are quick."""
+    def _prepare_decode_graphs(self) -> None:
+        """Loads or compiles the decode graphs now, at load, so that no request waits for the
+        compiler: one for a step of batch 1 and one for batch 2 (which serves every larger batch,
+        up to the next batch at which a linear layer switches kernel or, with HOP-B, from which it
+        splits the decodes: each takes one more)."""
         switches = plan_switches(self.model, self.max_decode_batch)
         if self.parallel.hop_b:
             switches.add(HOP_B_MIN_SPLIT)
         batches = DECODE_GRAPH_BATCHES + tuple(sorted(switches - set(DECODE_GRAPH_BATCHES)))
-        for batch in tqdm(batches, desc="Compiling decode steps", unit="graph", disable=not self.parallel.is_driver):
+        for batch in tqdm(batches, desc="Decode graphs", unit="graph", disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),
                                      decode_context_lens=torch.ones(batch, dtype=torch.int32, device=self.device))
-            self._forward(ids, positions, self._local(meta, [], decode_only=True)[0], decode_only=True)
+            self.decode_graphs.prepare(ids, positions, self._local(meta, [], decode_only=True)[0])
 
     def _local(self, meta: AttentionMetadata, copies: list[tuple[int, int]],
                decode_only: bool) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
@@ -166,14 +145,8 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  decode_only: bool) -> torch.Tensor:
-        if self.decode_forward is not None and decode_only:
-            # The table width is any size, 1 included: no specialization on its value.
-            torch._dynamo.decorators.mark_unbacked(meta.decode_block_tables, 1)
-            if meta.decode_scores is not None:  # a graph of its own, as dynamic
-                for out in meta.decode_scores.out:
-                    torch._dynamo.decorators.mark_unbacked(out, 2)
-                torch._dynamo.decorators.mark_unbacked(meta.decode_scores.key_positions, 3)
-            return self.decode_forward(ids, positions, self.cache, meta)
+        if self.decode_graphs is not None and decode_only:
+            return self.decode_graphs(ids, positions, meta)
         return self.model(ids, positions, self.cache, meta)
 
     @property

@@ -77,6 +77,18 @@ class AttentionMetadata:
     decode_scores: DecodeScores | None = None
     row_exchange: RowExchange | None = None
 
+    def decode_dims(self) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+        """The (tensor, dim) pairs a decode-only step's size moves: those counting its rows, and
+        those spanning its widest block table."""
+        rows = [(self.slot_mapping, 0), (self.decode_block_tables, 0), (self.decode_context_lens, 0)]
+        widths = [(self.decode_block_tables, 1)]
+        if (s := self.decode_scores) is not None:
+            rows += [(s.temps, 0), (s.row_keys, 0), (s.key_positions, 1), *((out, 0) for out in s.out)]
+            widths += [(s.key_positions, 3), *((out, 2) for out in s.out)]
+        if (x := self.row_exchange) is not None:
+            rows += [(x.send_index, 1), (x.back_index, 0)]
+        return rows, widths
+
 
 # An attention's output [T, H, D] and, from Loom's kernels, each row's log-sum-exp [T, H] (None
 # from the reference paths).

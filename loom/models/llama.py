@@ -105,8 +105,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Packed ids/positions [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, cache, meta)
+        # Indexed, not iterated: iterating a ModuleList makes a compiled graph check its dict's
+        # key order, which a graph loaded from disk cannot.
+        for i in range(len(self.layers)):
+            x = self.layers[i](positions, x, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Compiled decode steps, kept on disk.
+
+Decode-only steps are the many small ones, where per-op overhead rivals the weight reads: they
+run through graphs compiled ahead of time with `torch.compile(...).aot_compile`, one for each
+kind of step seen (batch 1; any larger batch up to a kernel switch of the linear layers; steps
+whose attention scores keys for a KV policy). Each graph is saved beside torch's compile cache,
+keyed by everything its trace could have read (Loom's sources, the model's structure, attributes
+and tensor shapes, torch and the CPU): a later start of the same engine loads it instead of
+tracing the model's Python again (about six seconds a graph for the 134M reference model on a
+2-core EPYC). A step runs the first graph whose guards accept its inputs; a step no graph
+accepts compiles a new one, and saves it.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._dynamo.aot_compile import AOTCompiledFunction
+from torch._dynamo.guards import CheckFunctionManager
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+import loom
+from loom.kv.attention import AttentionMetadata
+from loom.kv.cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def graphs_root() -> Path:
+    """Beside inductor's cache, whose artifacts the graphs embed: TORCHINDUCTOR_CACHE_DIR moves
+    both, and emptying it is a cold start."""
+    return Path(cache_dir()) / "loom-decode-graphs"
+
+
+@cache
+def _source_digest() -> str:
+    """Loom's own sources: a graph traced through any other version of them is not this one."""
+    h = hashlib.sha256()
+    root = Path(loom.__file__).parent
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _attributes(module: torch.nn.Module) -> str:
+    """A module's plain attributes (scales, epsilons, plans, backends) as a trace reads them;
+    objects whose repr is only an address carry nothing a key could use."""
+    skip = {"_parameters", "_buffers", "_modules", "training"}
+    items = [(k, repr(v)) for k, v in vars(module).items() if k not in skip and not isinstance(v, torch.Tensor)]
+    return ";".join(f"{k}={r}" for k, r in sorted(items) if " at 0x" not in r)
+
+
+def graph_key(model: torch.nn.Module, cache: KVCache, options: dict[str, Any], extra: str) -> str:
+    """What a decode graph of `model` depends on beyond its guards. Guards on the model's modules
+    and parameters are skipped (a thousand checks a step), so their structure, attributes and
+    shapes are in the key instead."""
+    h = hashlib.sha256()
+    for part in (_source_digest(), torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
+                 repr(sorted(options.items())), extra, repr(cache.block_size), repr(cache.keys[0].dtype)):
+        h.update(part.encode())
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__}:{_attributes(module)}".encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}".encode())
+    return h.hexdigest()[:24]
+
+
+def _serializable_guards(guards: list) -> list[bool]:
+    """The guards a saved graph keeps: none on the model's modules and parameters (the key covers
+    them), none on globals, none of the kinds a file cannot hold (object identities)."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
+    return [k and not g.is_global and g.guard_type not in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+            for k, g in zip(keep, guards)]
+
+
+class DecodeGraphs:
+    """The compiled decode steps of one engine's model: `graphs(ids, positions, meta)` runs the
+    step through the first graph that accepts it."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, options: dict[str, Any], extra_key: str) -> None:
+        self.model, self.cache = model, cache
+        self.dir = graphs_root() / graph_key(model, cache, options, extra_key)
+        self.saving = not torch.compiler.config.force_disable_caches
+        # Sizes are dynamic where a graph's inputs are marked so, never learned from an earlier
+        # trace (which could be another engine's model).
+        self._compile = torch.compile(model.forward.__func__, fullgraph=True,
+                                      options={**options, "guard_filter_fn": _serializable_guards})
+        self.graphs: list[AOTCompiledFunction] = []
+        self.num_compiled = 0  # graphs this engine traced, rather than loaded
+        for path in sorted(self.dir.glob("*.graph")) if self.saving else ():
+            self._load(path)
+
+    @torch.inference_mode()  # as steps run: guards built outside it expect autograd's dispatch keys
+    def _load(self, path: Path) -> None:
+        try:
+            with path.open("rb") as f:
+                graph = torch.compiler.load_compiled_function(f)
+        except Exception as error:  # a file of another torch, or truncated: compile again
+            logger.warning("decode graph %s not loaded (%s: %s); compiling instead", path, type(error).__name__, error)
+            return
+        graph.disable_guard_check()  # checked before each call instead: see _find
+        self.graphs.append(graph)
+
+    def _find(self, args: tuple) -> AOTCompiledFunction | None:
+        for i, graph in enumerate(self.graphs):
+            if graph.guard_check(*args):
+                if i:  # most recently used first: consecutive steps are mostly alike
+                    self.graphs.insert(0, self.graphs.pop(i))
+                return graph
+        return None
+
+    def prepare(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Makes sure some graph serves a step of these inputs (loaded, or compiled now)."""
+        if self._find((self.model, ids, positions, self.cache, meta)) is None:
+            self._add(ids, positions, meta)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        args = (self.model, ids, positions, self.cache, meta)
+        graph = self._find(args)
+        if graph is None:
+            graph = self._add(ids, positions, meta)
+            if not graph.guard_check(*args):
+                raise RuntimeError("a decode graph compiled for this step's inputs does not accept them")
+        return graph(*args)
+
+    @torch.inference_mode()
+    def _add(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
+        """Compiles a graph for steps like this one: of its batch size if it has one row, else of
+        any batch size the same kernels serve; the block tables' width is always free."""
+        ids, positions, meta = ids.clone(), positions.clone(), copy.deepcopy(meta)  # marks stay off the step's
+        rows, widths = meta.decode_dims()
+        for t, dim in widths:
+            torch._dynamo.decorators.mark_unbacked(t, dim)
+        # The pool's size is any: graphs serve engines of other memory budgets too. (Named by
+        # source, not marked on the tensors: a graph loaded from disk expects no marks on them.)
+        dynamic = [r"L\['cache'\]\.(keys|values)\[\d+\]:0"]
+        if ids.shape[0] > 1:
+            for t, dim in [(ids, 0), (positions, 0), *rows]:
+                if t.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+            if meta.num_decode_tokens > 1:
+                dynamic.append("L['meta'].num_decode_tokens")
+        with torch.compiler.config.patch(dynamic_sources=",".join(dynamic)), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            graph = self._compile.aot_compile(((self.model, ids, positions, self.cache, meta), {}))
+        self.num_compiled += 1
+        if self.saving:
+            self._save(graph)
+        graph.disable_guard_check()
+        self.graphs.insert(0, graph)
+        return graph
+
+    def _save(self, graph: AOTCompiledFunction) -> None:
+        """Writes the graph beside the engine's others, under a name of its own (written whole, then
+        renamed: a process loading it never reads a partial file)."""
+        try:
+            data = type(graph).serialize(graph).serialized_data
+        except Exception as error:
+            logger.warning("decode graph not saved (%s: %s); the next start compiles it again",
+                           type(error).__name__, error)
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"{hashlib.sha256(data).hexdigest()[:16]}.graph"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
