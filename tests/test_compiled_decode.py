@@ -63,13 +63,13 @@ def test_engines_keep_their_own_graphs(tmp_path):
 
 def test_saved_graphs_serve_the_same_engine_only(hf_models, tmp_path, monkeypatch):
     """A load saves the graphs it compiles; a later engine of the same model and dtype loads them
-    (whatever its KV pool's size) and generates what eager does, while another quantization of
-    the model compiles graphs of its own."""
+    (whatever its KV pool's size, and its parallel options, which one process ignores) and
+    generates what eager does, while another quantization of the model compiles graphs of its own."""
     monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path)
     model_dir, _ = hf_models("llama_gqa")
     eager, _ = run(model_dir, True, dtype="bfloat16")
     compiled = []
-    for kwargs in (dict(), dict(kv_cache_memory=1 << 20), dict(quantization="int8")):
+    for kwargs in (dict(), dict(kv_cache_memory=1 << 20, all_reduce="process_group"), dict(quantization="int8")):
         outs, llm = run(model_dir, False, dtype="bfloat16", **kwargs)
         graphs = llm.engine.runner.decode_graphs
         compiled.append((len(graphs.graphs), graphs.num_compiled))

@@ -101,8 +101,10 @@ class ModelRunner:
             torch_gemms = planned_kernels(self.model, self.max_decode_batch) - {"panel", "weight_only"}
             options = {"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
                        "pattern_matcher": not torch_gemms}
-            self.decode_graphs = DecodeGraphs(self.model, self.cache, options,
-                                              repr((config.parallel, self.parallel.rank)))
+            # Parallel options take effect from two ranks on: one process builds the same model
+            # whatever they say, so it keeps one set of graphs for all of them.
+            layout = repr((config.parallel, self.parallel.rank)) if self.parallel.world_size > 1 else "one process"
+            self.decode_graphs = DecodeGraphs(self.model, self.cache, options, layout)
             self._prepare_decode_graphs()
 
     def _agreed(self, *counts: int) -> tuple[int, ...]:
