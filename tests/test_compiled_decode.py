@@ -26,9 +26,8 @@ def run(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="int4"),
-                                    dict(dtype="float32", quantization="int8")],
-                         ids=["fp32", "bf16-int4", "fp32-int8"])
+@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="int4")],
+                         ids=["fp32", "bf16-int4"])
 def test_compiled_decode_matches_eager(hf_models, kwargs):
     model_dir, _ = hf_models("llama_gqa")
     eager, _ = run(model_dir, True, **kwargs)
@@ -44,72 +43,59 @@ def test_reference_attention_runs_eagerly(hf_models):
     assert llm.engine.runner.decode_graphs is None
 
 
-def test_engines_keep_their_own_graphs(tmp_path):
-    """The compiled graphs skip guards on modules and parameters, so each engine must run its
-    own model through them: two live engines over same-shaped models, one of them quantized, called in
-    turn, each still generates what its eager run does."""
+def test_saved_graphs_serve_engines_of_the_same_model_only(tmp_path, monkeypatch):
+    """A load saves the graphs it compiles; a later engine of a model of the same shapes and
+    dtype loads them (whatever its weights, its KV pool's size and its parallel options, which
+    one process ignores), while another quantization compiles graphs of its own. The graphs skip
+    guards on modules and parameters, so each engine must run its own model through them: with
+    all three alive and called in turn, each still generates what its eager run does."""
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")
     dirs = [tmp_path / f"seed{seed}" for seed in (1, 2)]
     for seed, d in enumerate(dirs, 1):
         build_hf_model(d, "llama_gqa", seed=seed)
-    kwargs = [dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="int8")]
-    eager = [run(d, True, **kw)[0] for d, kw in zip(dirs, kwargs)]
+    cases = [(dirs[0], dict()), (dirs[1], dict(kv_cache_memory=1 << 20, all_reduce="process_group")),
+             (dirs[1], dict(quantization="int8"))]
+    eager = [run(d, True, dtype="bfloat16", **kwargs)[0] for d, kwargs in cases]
     assert eager[0] != eager[1]
-    engines = [LLM(str(d), enforce_eager=False, **kw) for d, kw in zip(dirs, kwargs)]
-    for _ in range(2):  # the second round runs on graphs both engines have already compiled
-        for llm, expected in zip(engines, eager):
-            outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outs] == expected
+    compiled = [run(d, False, dtype="bfloat16", **kwargs) for d, kwargs in cases]
+    graphs = [llm.engine.runner.decode_graphs for _, llm in compiled]
+    assert [(len(g.graphs), g.num_compiled) for g in graphs] == [(2, 2), (2, 0), (2, 2)]
+    assert len(list((tmp_path / "graphs").glob("*/*.graph"))) == 4
+    assert [outs for outs, _ in compiled] == eager
+    for (_, llm), expected in zip(compiled, eager):
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_saved_graphs_serve_the_same_engine_only(hf_models, tmp_path, monkeypatch):
-    """A load saves the graphs it compiles; a later engine of the same model and dtype loads them
-    (whatever its KV pool's size, and its parallel options, which one process ignores) and
-    generates what eager does, while another quantization of the model compiles graphs of its own."""
-    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path)
-    model_dir, _ = hf_models("llama_gqa")
-    eager, _ = run(model_dir, True, dtype="bfloat16")
-    compiled = []
-    for kwargs in (dict(), dict(kv_cache_memory=1 << 20, all_reduce="process_group"), dict(quantization="int8")):
-        outs, llm = run(model_dir, False, dtype="bfloat16", **kwargs)
-        graphs = llm.engine.runner.decode_graphs
-        compiled.append((len(graphs.graphs), graphs.num_compiled))
-        if "quantization" not in kwargs:
-            assert outs == eager
-    assert compiled == [(2, 2), (2, 0), (2, 2)]
-    assert len(list(tmp_path.glob("*/*.graph"))) == 4
-
-
-@pytest.mark.parametrize("switch", [False, True], ids=["one-kernel", "kernel-switch-at-3"])
-def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_path, monkeypatch, switch):
+def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_path, monkeypatch):
     """Loading compiles the batch-1 graph and the one for larger batches, and one more from each
-    batch at which a linear layer's plan switches kernel; requests of any batch size after that
-    compile nothing (no request waits for the compiler), and match eager ones."""
+    batch at which a linear layer's plan switches kernel (here at 3); requests of any batch size
+    after that compile nothing (no request waits for the compiler), and match eager ones."""
     from loom.layers.dispatch import FORMATS, candidates, panels_available, plan_path
 
     kernels = candidates("bf16", panels_available())
     plans = {fmt: [[1, candidates(fmt, panels_available())[0]]] for fmt in FORMATS}
-    if switch:
-        plans["bf16"] = [[2, kernels[0]], [3, kernels[1]]]
+    plans["bf16"] = [[2, kernels[0]], [3, kernels[1]]]
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
     monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")  # none saved by earlier runs
     plan_path().write_text(json.dumps({"plans": plans}))
     model_dir, _ = hf_models("llama_mha")
     llm = LLM(str(model_dir), enforce_eager=False, dtype="bfloat16")
     graphs = llm.engine.runner.decode_graphs
-    assert (len(graphs.graphs), graphs.num_compiled) == (2 + switch, 2 + switch)
+    assert (len(graphs.graphs), graphs.num_compiled) == (3, 3)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # batches of 3, 2 and 1, contexts crossing blocks
     one = llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
-    assert (len(graphs.graphs), graphs.num_compiled) == (2 + switch, 2 + switch)
+    assert (len(graphs.graphs), graphs.num_compiled) == (3, 3)
     eager = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16").generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     assert one[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
-def test_scored_decode_is_compiled_and_matches_eager(hf_models, tmp_path, monkeypatch, policy):
+def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
     """Scored decode steps (the kernel adds each row's attention scores) run in a compiled
-    graph of their own, beside the unscored one, with the same tokens as eager."""
-    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path)  # none saved by earlier runs
+    graph of their own, beside the unscored ones (loaded, if an earlier test saved them), with
+    the same tokens as eager."""
     model_dir, _ = hf_models("llama_gqa")
     params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, kv_policy=policy,
                              kv_budget=0.5) for p in PARAMS]

@@ -38,25 +38,42 @@ def _batches() -> list[list[list[int]]]:
     return [[first], [first[:48] + tail for tail in random_prompts(6, 20, seed=2)]]
 
 
-def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_vars: str) -> dict:
-    """Runs the helper under each torchrun launch at once (one launch per "machine"); rank 0's result."""
+def _run_helper(tmp_path: Path, options: dict, commands: list[tuple[list[str], dict]], **env_vars: str) -> dict:
+    """Runs the helper under each (python arguments before it, environment) at once; rank 0's
+    result. When one fails, the others are stopped."""
     batches, out = tmp_path / "batches.json", tmp_path / "out.json"
     batches.write_text(json.dumps(_batches()))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env_vars)
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, str(HELPER),
-                               json.dumps({**options, "max_tokens": MAX_TOKENS}), str(batches), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for launch in launches]
-    logs = []
+    helper = [str(HELPER), json.dumps({**options, "max_tokens": MAX_TOKENS}), str(batches), str(out)]
+    logs = [tmp_path / f"log{i}.txt" for i in range(len(commands))]
+    procs = [subprocess.Popen([sys.executable, *prefix, *helper], env=env | extra, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT) for (prefix, extra), log in zip(commands, logs)]
+    deadline = time.monotonic() + 600  # a hang guard, not a measurement
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.05)
     for p in procs:
-        try:
-            logs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+        p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)[-4000:]
     return json.loads(out.read_text())
+
+
+def _torchrun(tmp_path: Path, options: dict, launches: list[list[str]], **env_vars: str) -> dict:
+    """One torchrun launch of the helper per "machine", all at once."""
+    return _run_helper(tmp_path, options, [(["-m", "torch.distributed.run", *launch], {}) for launch in launches],
+                       **env_vars)
+
+
+def _ranks(tmp_path: Path, options: dict, world_size: int, **env_vars: str) -> dict:
+    """The helper in one process per rank, each with the environment torchrun gives its workers
+    (without torchrun's agent, which takes seconds to start: the launch itself is tested below)."""
+    port = str(free_port())
+    return _run_helper(tmp_path, options, [([], {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+                                                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                                                "MASTER_PORT": port}) for r in range(world_size)], **env_vars)
 
 
 def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2, kvp: int = 1, blocks: int = 24,
@@ -76,15 +93,15 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2
     # batches 1 and 2 on, not one more for batches past a linear layer's switch of kernel.
     common = dict(model=str(model_dir), max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8,
                   num_threads=1) | options
-    single = generate({**common, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(), MAX_TOKENS)
+    # One process runs eagerly whatever the ranks do (its compiled steps equal its eager ones:
+    # test_compiled_decode.py).
+    single = generate({**common, "enforce_eager": True, "kv_cache_memory": pool_bytes(m.num_kv_heads)}, _batches(),
+                      MAX_TOKENS)
     rank_heads = m.num_kv_heads if by_batch else local_kv_heads(m.num_heads, m.num_kv_heads, tp, 0)[1]
-    port = str(free_port())
     eager = options.get("enforce_eager", True)  # the collectives are counted in eager steps
-    parallel = _torchrun(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp, "ffn_layout": ffn_layout,
-                                    "hop_b": hop_b,
-                                    "kv_cache_memory": pool_bytes(rank_heads, tp if by_batch else kvp)},
-                         [["--nproc-per-node", str(tp * kvp), "--master-addr", "127.0.0.1", "--master-port", port]],
-                         **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
+    parallel = _ranks(tmp_path, {**common, "tensor_parallel_size": tp, "kv_parallel_size": kvp, "ffn_layout": ffn_layout,
+                                 "hop_b": hop_b, "kv_cache_memory": pool_bytes(rank_heads, tp if by_batch else kvp)},
+                      tp * kvp, **({"LOOM_TEST_COUNT_COLLECTIVES": "1"} if eager else {}))
     if eager:  # the engine's tally is what rank 0 really issued
         stats, counted = parallel["stats"], parallel["counted"]
         counted = {kind: value for kind, value in counted.items() if value[0]}
@@ -142,15 +159,17 @@ def test_attention_sharded_by_batch(hf_models, tmp_path, name):
     assert calls["all_to_all"] == 2 * ModelConfig.from_dir(model_dir).num_layers * calls["broadcast"] // 2
 
 
-def test_attention_sharded_by_batch_compiled(gqa, tmp_path):
-    _compare(tmp_path, gqa[0], **BY_BATCH, enforce_eager=False)
+def test_attention_sharded_by_batch_compiled_through_gloo(gqa, tmp_path):
+    """The process group's functional all_to_all_single inside the ranks' compiled decode graphs
+    (which keeps inductor's Python wrapper: its C++ one cannot call it)."""
+    _compare(tmp_path, gqa[0], **BY_BATCH, enforce_eager=False, all_reduce="process_group")
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
-def test_ffn_2d_weight_stationary_on_2_by_2(hf_models, tmp_path, name):
-    """PaLM's 2D weight-stationary FFN on a 2 x 2 grid of 4 processes (attention 1D over all 4):
-    per layer, two reduce-scatters and two all-gathers replace the FFN's all-reduce."""
-    model_dir = hf_models(name)[0]
+def test_ffn_2d_weight_stationary_on_2_by_2(hf_models, tmp_path):
+    """PaLM's 2D weight-stationary FFN on a 2 x 2 grid of 4 processes (attention 1D over all 4,
+    the MQA model's one KV head on each): per layer, two reduce-scatters and two all-gathers
+    replace the FFN's all-reduce. (The GQA model: below.)"""
+    model_dir = hf_models("llama_mqa")[0]
     calls = _compare(tmp_path, model_dir, tp=4, ffn_layout="2d")["stats"]["collective_calls"]
     layers, steps = ModelConfig.from_dir(model_dir).num_layers, calls["broadcast"] // 2
     assert (calls["reduce_scatter"], calls["all_gather"], calls["all_reduce"]) == \
@@ -160,14 +179,16 @@ def test_ffn_2d_weight_stationary_on_2_by_2(hf_models, tmp_path, name):
 @pytest.mark.parametrize("options", [dict(enforce_eager=False), dict(all_reduce="process_group")],
                          ids=["compiled", "gloo"])
 def test_ffn_2d_compiled_and_through_gloo(gqa, tmp_path, options):
+    """Inside the ranks' compiled decode graphs, the 2D FFN's reduce-scatters and all-gathers
+    and the attention's all-reduce (the collective of plain tensor parallelism); and all of them
+    through gloo."""
     _compare(tmp_path, gqa[0], tp=4, ffn_layout="2d", **options)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa"])
-def test_helix_two_kv_ranks(hf_models, tmp_path, name):
+def test_helix_two_kv_ranks(hf_models, tmp_path):
     """Helix with KVP = 2, TPA = 1: each rank holds every other block of each sequence; one
-    all-to-all per layer."""
-    model_dir = hf_models(name)[0]
+    all-to-all per layer. (The GQA model: with HOP-B and by two tensor ranks, below.)"""
+    model_dir = hf_models("llama_mqa")[0]
     calls = _compare(tmp_path, model_dir, tp=1, kvp=2)["stats"]["collective_calls"]
     assert calls["all_to_all"] == ModelConfig.from_dir(model_dir).num_layers * calls["broadcast"] // 2
 
@@ -179,14 +200,11 @@ def test_helix_two_kv_ranks_by_two_tensor_ranks(hf_models, tmp_path, name):
     _compare(tmp_path, hf_models(name)[0], tp=2, kvp=2)
 
 
-@pytest.mark.parametrize("options", [dict(enforce_eager=False, hop_b=True),
-                                     dict(enforce_eager=False, all_reduce="process_group")],
-                         ids=["compiled_hop_b", "compiled_gloo"])
-def test_helix_compiled_and_through_gloo(gqa, tmp_path, options):
-    """Helix inside the compiled decode graphs: with HOP-B (the started and finished halves of
-    each item's all-to-all, kept in order around the next item's attention), and through gloo
-    (the process group's functional all_to_all_single, which keeps inductor's Python wrapper)."""
-    _compare(tmp_path, gqa[0], tp=1, kvp=2, **options)
+def test_helix_hop_b_compiled(gqa, tmp_path):
+    """Helix with HOP-B inside the ranks' compiled decode graphs: the started and finished halves
+    of each item's all-to-all through shared memory, kept in order around the next item's
+    attention."""
+    _compare(tmp_path, gqa[0], tp=1, kvp=2, enforce_eager=False, hop_b=True)
 
 
 @pytest.mark.parametrize("options", [{}, dict(all_reduce="process_group")], ids=["shared_memory", "gloo"])
@@ -275,10 +293,6 @@ def test_shared_memory_collectives_in_pieces(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.count("sums ok") == 2, done.stdout[-2000:] + done.stderr[-2000:]
-
-
-def test_two_ranks_compiled_decode(gqa, tmp_path):
-    _compare(tmp_path, gqa[0], enforce_eager=False)
 
 
 def test_two_machines_on_loopback(gqa, tmp_path):

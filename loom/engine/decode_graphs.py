@@ -19,16 +19,18 @@ import os
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._dynamo.aot_compile import AOTCompiledFunction
-from torch._dynamo.guards import CheckFunctionManager
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import loom
 from loom.kv.attention import AttentionMetadata
 from loom.kv.cache import KVCache
+
+# torch._dynamo and torch._inductor are imported where used: together they take longer to import
+# than torch itself, and eager engines never need them.
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 def graphs_root() -> Path:
     """Beside inductor's cache, whose artifacts the graphs embed: TORCHINDUCTOR_CACHE_DIR moves
     both, and emptying it is a cold start."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     return Path(cache_dir()) / "loom-decode-graphs"
 
 
@@ -76,6 +80,8 @@ def graph_key(model: torch.nn.Module, cache: KVCache, options: dict[str, Any], e
 def _serializable_guards(guards: list) -> list[bool]:
     """The guards a saved graph keeps: none on the model's modules and parameters (the key covers
     them), none on globals, none of the kinds a file cannot hold (object identities)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
     return [k and not g.is_global and g.guard_type not in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
             for k, g in zip(keep, guards)]
@@ -119,17 +125,20 @@ class DecodeGraphs:
 
     def prepare(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Makes sure some graph serves a step of these inputs (loaded, or compiled now)."""
-        if self._find((self.model, ids, positions, self.cache, meta)) is None:
-            self._add(ids, positions, meta)
+        self._graph_for(ids, positions, meta)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self._graph_for(ids, positions, meta)(self.model, ids, positions, self.cache, meta)
+
+    def _graph_for(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
+        """The first graph whose guards accept a step of these inputs, else one compiled now."""
         args = (self.model, ids, positions, self.cache, meta)
         graph = self._find(args)
         if graph is None:
             graph = self._add(ids, positions, meta)
             if not graph.guard_check(*args):
                 raise RuntimeError("a decode graph compiled for this step's inputs does not accept them")
-        return graph(*args)
+        return graph
 
     @torch.inference_mode()
     def _add(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
