@@ -5,6 +5,7 @@ and with the 2D weight-stationary FFN on 2 x 2, with prefix caching, chunked pre
 preemption active; sizes that cannot be split fail before any weight loads."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,17 +47,19 @@ def _run_helper(tmp_path: Path, options: dict, commands: list[tuple[list[str], d
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env_vars)
     helper = [str(HELPER), json.dumps({**options, "max_tokens": MAX_TOKENS}), str(batches), str(out)]
     logs = [tmp_path / f"log{i}.txt" for i in range(len(commands))]
-    procs = [subprocess.Popen([sys.executable, *prefix, *helper], env=env | extra, stdout=log.open("w"),
-                              stderr=subprocess.STDOUT) for (prefix, extra), log in zip(commands, logs)]
-    deadline = time.monotonic() + 600  # a hang guard, not a measurement
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.wait()
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([sys.executable, *prefix, *helper], env=env | extra,
+                                  stdout=files.enter_context(log.open("w")), stderr=subprocess.STDOUT)
+                 for (prefix, extra), log in zip(commands, logs)]
+        deadline = time.monotonic() + 600  # a hang guard, not a measurement
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)[-4000:]
     return json.loads(out.read_text())
 
