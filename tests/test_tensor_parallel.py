@@ -51,14 +51,13 @@ def _run_helper(tmp_path: Path, options: dict, commands: list[tuple[list[str], d
         procs = [subprocess.Popen([sys.executable, *prefix, *helper], env=env | extra,
                                   stdout=files.enter_context(log.open("w")), stderr=subprocess.STDOUT)
                  for (prefix, extra), log in zip(commands, logs)]
-        deadline = time.monotonic() + 600  # a hang guard, not a measurement
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode for p in procs) or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
+        for _ in range(12000):  # polls for about ten minutes at most: a hang guard, not a measurement
+            if all(p.poll() is not None for p in procs) or any(p.returncode for p in procs):
                 break
             time.sleep(0.05)
         for p in procs:
+            if p.poll() is None:
+                p.kill()
             p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)[-4000:]
     return json.loads(out.read_text())
