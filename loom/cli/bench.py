@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 8, 16])
     t.add_argument("--hf-batch1-requests", type=int, default=8,
                    help="requests the batch-1 peer runs (its rate is measured on this prefix of the workload)")
+    t.add_argument("--peers", nargs="*", default=["hf", "openvino", "ctranslate2"],
+                   choices=["hf", "openvino", "ctranslate2"],
+                   help="peers run beside Loom (OpenVINO GenAI and CTranslate2 each install into a venv of their own)")
+    t.add_argument("--ct2-batch-sizes", type=int, nargs="+", default=[8, 16])
     t.set_defaults(func=_throughput)
 
     a = sub.add_parser("attention", help="paged decode and prefill attention vs contiguous SDPA")
@@ -188,6 +192,32 @@ def _setup(args: argparse.Namespace) -> tuple[Path, int]:
     return model, ModelConfig.from_dir(model).vocab_size
 
 
+_PEER_LABELS = {"hf": "HF b", "openvino": "OpenVINO", "ctranslate2": "CT2 b"}
+
+
+def _throughput_peer_runs(args: argparse.Namespace, model: Path, dtype: str, workload: list) -> list:
+    """(peer, the requests it runs, a call that runs them) for each peer run asked for."""
+    from loom.bench import throughput as tp
+    from loom.bench import throughput_peers
+
+    def ids(requests: list) -> tuple[list[list[int]], list[int]]:
+        return [r.prompt_token_ids for r in requests], [r.output_len for r in requests]
+
+    runs = []
+    if "hf" in args.peers:
+        for bs in args.hf_batch_sizes:
+            subset = workload[: args.hf_batch1_requests] if bs == 1 else workload
+            runs.append(("hf", subset, lambda subset=subset, bs=bs: tp.run_hf(model, dtype, subset, bs)))
+    if "openvino" in args.peers:
+        runs.append(("openvino", workload,
+                     lambda: throughput_peers.run_openvino(model, dtype, *ids(workload), args.threads)))
+    if "ctranslate2" in args.peers:
+        for bs in args.ct2_batch_sizes:
+            runs.append(("ctranslate2", workload, lambda bs=bs: throughput_peers.run_ctranslate2(
+                model, dtype, *ids(workload), args.threads, bs)))
+    return runs
+
+
 def _throughput(args: argparse.Namespace) -> None:
     import torch
 
@@ -212,16 +242,28 @@ def _throughput(args: argparse.Namespace) -> None:
               f"{gemm['roof'] / 1e9:.0f} GFLOP/s, busiest-step KV waste {loom['busiest_step']['kv_waste'] * 100:.2f}%",
               flush=True)
         peers = []
-        for bs in args.hf_batch_sizes:
-            subset = workload[: args.hf_batch1_requests] if bs == 1 else workload
-            peers.append(tp.run_hf(model, dtype, subset, bs))
-            peers[-1]["mfu"] = model_flops(subset) / peers[-1]["seconds"] / gemm["roof"]
-            print(f"[{dtype}] {peers[-1]['engine']}: {peers[-1]['output_tok_per_s']:.1f} tok/s, "
-                  f"MFU {peers[-1]['mfu']:.2f}", flush=True)
-        best = max(peers, key=lambda r: r["output_tok_per_s"])
-        rows.append({"dtype": dtype, "gemm_flops_per_s": gemm, "loom": loom, "hf": peers, "best_hf": best["engine"],
-                     "speedup_vs_best_hf": loom["output_tok_per_s"] / best["output_tok_per_s"]})
-        print(f"[{dtype}] loom / best HF = {rows[-1]['speedup_vs_best_hf']:.2f}x", flush=True)
+        for peer, subset, run in _throughput_peer_runs(args, model, dtype, workload):
+            try:
+                result = run()
+            except RuntimeError as e:  # a peer that cannot install or run is reported, not fatal
+                result = {"dtype": dtype, "skipped": str(e)}
+            result["peer"] = peer
+            if "skipped" in result:
+                print(f"[{dtype}] {peer} skipped: {result['skipped']}", flush=True)
+            else:
+                result["mfu"] = model_flops(subset) / result["seconds"] / gemm["roof"]
+                print(f"[{dtype}] {result['engine']}: {result['output_tok_per_s']:.1f} tok/s, MFU {result['mfu']:.2f}",
+                      flush=True)
+            peers.append(result)
+        row = {"dtype": dtype, "gemm_flops_per_s": gemm, "loom": loom, "peers": peers}
+        for name, group in (("hf", ("hf",)), ("openvino_ctranslate2", ("openvino", "ctranslate2"))):
+            ran = [r for r in peers if r["peer"] in group and "skipped" not in r]
+            if ran:
+                best = max(ran, key=lambda r: r["output_tok_per_s"])
+                row[f"best_{name}"] = best["engine"]
+                row[f"speedup_vs_best_{name}"] = loom["output_tok_per_s"] / best["output_tok_per_s"]
+                print(f"[{dtype}] loom / {best['engine']} = {row[f'speedup_vs_best_{name}']:.2f}x", flush=True)
+        rows.append(row)
     results = {"model": str(model), "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
                                                  "output_len": [32, 256], "ignore_eos": True, "greedy": True},
                "mfu": "model FLOPs of the requested tokens (linear layers, LM head, attention) / seconds / the "
@@ -232,9 +274,10 @@ def _throughput(args: argparse.Namespace) -> None:
     for r in rows:
         labels.append(f"Loom\n{r['dtype']}\nMFU {r['loom']['mfu']:.2f}")
         values.append(r["loom"]["output_tok_per_s"])
-        for h in r["hf"]:
-            labels.append(f"HF b{h['batch_size']}\n{r['dtype']}\nMFU {h['mfu']:.2f}")
-            values.append(h["output_tok_per_s"])
+        for p in r["peers"]:
+            if "skipped" not in p:
+                labels.append(f"{_PEER_LABELS[p['peer']]}{p.get('batch_size', '')}\n{r['dtype']}\nMFU {p['mfu']:.2f}")
+                values.append(p["output_tok_per_s"])
     bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads",
              labels, values, "output tok/s")
     print(f"wrote {path}")

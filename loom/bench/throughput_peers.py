@@ -1,0 +1,223 @@
+"""The offline-throughput peers of `loom bench throughput`, each in a venv of its own: OpenVINO
+GenAI's continuous-batching pipeline (paged KV cache and continuous batching on the CPU, the model
+exported to OpenVINO IR with optimum-intel) and CTranslate2's batched generator (the model
+converted with its own converter).
+
+Like the llama.cpp peer, this file serves both sides: imported by Loom it builds the venvs,
+converts the model once and sends the workload (token ids); run as a script by a peer venv's
+python it times the peer and prints one JSON line. Its top level imports nothing outside the
+standard library.
+
+Both peers get the same token ids as Loom, greedy decoding and every requested token (EOS
+ignored). OpenVINO runs all requests through one pipeline, as Loom does; CTranslate2 runs static
+batches in arrival order, each to its longest output, and only requested tokens count (as the
+transformers peer)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PeerVenv:
+    name: str
+    packages: tuple[str, ...]
+    # installed after `packages`, with torch held at the version `packages` pins
+    extra: tuple[str, ...] = ()
+    # removed last: packages pulled in that cannot load beside that torch and that the peer never uses
+    remove: tuple[str, ...] = ()
+
+
+# torch as Loom pins it (the CPU build; only the exporters use it). optimum-intel requires
+# torchvision, whose PyPI build cannot load beside the CPU torch and which exporting a causal LM
+# never imports, so it is removed (transformers then sees no torchvision, as it should).
+OPENVINO = PeerVenv("openvino", ("torch==2.13.0",),
+                    ("optimum-intel[openvino]==2.2.0", "openvino-genai==2026.4.1.0"), ("torchvision",))
+CTRANSLATE2 = PeerVenv("ctranslate2", ("torch==2.13.0", "transformers>=4.56,<5.6", "ctranslate2==4.8.5"))
+
+# Loom's KV cache holds the model's dtype; OpenVINO's CPU plugin would otherwise pick its own
+# (u8 on recent releases) and its inference precision (bf16 wherever the CPU has it).
+OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def ensure_venv(peer: PeerVenv) -> Path:
+    """Creates (once) the peer's venv; returns its python. A failure raises, naming the log."""
+    from loom.bench.llamacpp import peer_dir, run_logged
+
+    venv = peer_dir() / f"{peer.name}-venv"
+    python = venv / "bin" / "python"
+    marker = venv / ".loom-ready"
+    build = repr(peer) + "\n"
+    if marker.is_file() and marker.read_text() == build:
+        return python
+    pip = [str(python), "-m", "pip"]
+    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], [*pip, "install", "--no-cache-dir", *peer.packages]]
+    if peer.extra:
+        constraints = peer_dir() / f"{peer.name}-constraints.txt"
+        constraints.parent.mkdir(parents=True, exist_ok=True)
+        constraints.write_text("".join(f"{p}\n" for p in peer.packages if p.startswith("torch==")))
+        steps.append([*pip, "install", "--no-cache-dir", "-c", str(constraints), *peer.extra])
+    if peer.remove:
+        steps.append([*pip, "uninstall", "-y", *peer.remove])
+    run_logged(steps, peer_dir() / f"{peer.name}-install.log", None, f"installing the {peer.name} peer venv")
+    marker.write_text(build)
+    return python
+
+
+def run_openvino(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
+                 threads: int) -> dict:
+    """Every request added to one ContinuousBatchingPipeline at once, timed to the last token."""
+    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, OPENVINO)),
+           "dtype": dtype, "prompts": prompts, "output_lens": output_lens, "threads": threads}
+    return _run(OPENVINO, "openvino", job)
+
+
+def run_ctranslate2(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
+                    threads: int, batch_size: int) -> dict:
+    """Static batches of `batch_size` in arrival order through `Generator.generate_batch`."""
+    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, CTRANSLATE2)),
+           "dtype": dtype, "prompts": prompts, "output_lens": output_lens, "threads": threads,
+           "batch_size": batch_size}
+    return _run(CTRANSLATE2, "ctranslate2", job)
+
+
+def _converted(model_dir: Path, peer: PeerVenv) -> Path:
+    from loom.bench.llamacpp import peer_dir
+
+    return peer_dir() / "models" / f"{Path(model_dir).resolve().name}-{peer.name}"
+
+
+def _run(peer: PeerVenv, command: str, job: dict) -> dict:
+    python = ensure_venv(peer)
+    # -I: the script's folder (loom/bench) must not shadow modules of the peer venv.
+    done = subprocess.run([str(python), "-I", str(Path(__file__).resolve()), command], input=json.dumps(job),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {peer.name} peer failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- what follows runs inside a peer venv ----
+
+def _useful(job: dict, seconds: float, **fields: object) -> dict:
+    """The result of a timed run: requested tokens over seconds (and the peer's own fields)."""
+    tokens = sum(job["output_lens"])
+    return {"dtype": job["dtype"], "threads": job["threads"], "requests": len(job["prompts"]), "seconds": seconds,
+            "output_tokens": tokens, "output_tok_per_s": tokens / seconds, **fields}
+
+
+def _fresh(out: Path, source: str) -> bool:
+    """Whether `out` holds a finished conversion of `source` (the marker is written last)."""
+    marker = out / ".loom-source"
+    return marker.is_file() and marker.read_text() == source
+
+
+def _openvino(job: dict) -> dict:
+    import time
+
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as genai
+
+    out = Path(job["converted"])
+    if not _fresh(out, job["model"]):
+        # fp32 weights in the IR: the plugin's inference precision sets the dtype the model runs in
+        subprocess.run([str(Path(sys.executable).with_name("optimum-cli")), "export", "openvino", "--model",
+                        job["model"], "--task", "text-generation-with-past", "--weight-format", "fp32", str(out)],
+                       check=True, stdout=sys.stderr)
+        (out / ".loom-source").write_text(job["model"])
+    precision = OPENVINO_PRECISION[job["dtype"]]
+    scheduler = genai.SchedulerConfig()
+    scheduler.cache_size = 4  # GB: every request's blocks fit, as in Loom's run (no preemption)
+    scheduler.max_num_seqs = 256
+    scheduler.enable_prefix_caching = False
+    properties = {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": precision,
+                  "KV_CACHE_PRECISION": precision}
+    pipe = genai.ContinuousBatchingPipeline(str(out), scheduler, "CPU", properties)
+
+    def config(n: int) -> genai.GenerationConfig:
+        c = genai.GenerationConfig()
+        c.max_new_tokens = c.min_new_tokens = n
+        c.ignore_eos, c.do_sample = True, False
+        return c
+
+    def ids(prompt: list[int]) -> ov.Tensor:
+        return ov.Tensor(np.array([prompt], dtype=np.int64))
+
+    pipe.generate([ids([5] * 16)], [config(4)])  # compiles before the clock starts
+    start = time.perf_counter()
+    results = pipe.generate([ids(p) for p in job["prompts"]], [config(n) for n in job["output_lens"]])
+    seconds = time.perf_counter() - start
+    generated = [len(r.m_generation_ids[0]) for r in results]
+    if generated != job["output_lens"]:
+        raise RuntimeError(f"OpenVINO generated {sum(generated)} tokens, {sum(job['output_lens'])} requested")
+    return _useful(job, seconds, engine="openvino-genai continuous batching",
+                   first_request_ids=list(results[0].m_generation_ids[0]),
+                   version=genai.__version__, kv_cache_precision=precision,
+                   scheduler={"cache_size_gb": scheduler.cache_size, "max_num_seqs": scheduler.max_num_seqs,
+                              "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                              "dynamic_split_fuse": scheduler.dynamic_split_fuse})
+
+
+def _ctranslate2(job: dict) -> dict:
+    import time
+
+    import ctranslate2
+
+    supported = ctranslate2.get_supported_compute_types("cpu")
+    if job["dtype"] not in supported:
+        return {"dtype": job["dtype"], "skipped": f"CTranslate2 {ctranslate2.__version__} has no {job['dtype']} "
+                f"compute type on this CPU (it offers {', '.join(sorted(supported))})"}
+    out = Path(job["converted"])
+    if not _fresh(out, job["model"]):
+        _convert_ctranslate2(Path(job["model"]), out)
+    words = json.loads((out / "vocabulary.json").read_text())  # the generator takes token strings
+    generator = ctranslate2.Generator(str(out), device="cpu", compute_type=job["dtype"], inter_threads=1,
+                                      intra_threads=job["threads"])
+    generator.generate_batch([[words[5]] * 16], max_length=2, include_prompt_in_result=False)
+    prompts, lens, size = job["prompts"], job["output_lens"], job["batch_size"]
+    first = None
+    start = time.perf_counter()
+    for i in range(0, len(prompts), size):
+        new = max(lens[i:i + size])
+        results = generator.generate_batch([[words[t] for t in p] for p in prompts[i:i + size]], max_length=new,
+                                           min_length=new, include_prompt_in_result=False, sampling_topk=1)
+        if any(len(r.sequences_ids[0]) != new for r in results):
+            raise RuntimeError(f"CTranslate2 stopped a sequence of its batch before {new} tokens")
+        first = first or results[0].sequences_ids[0][:lens[0]]
+    seconds = time.perf_counter() - start
+    return _useful(job, seconds, engine=f"ctranslate2 batch {size}", batch_size=size, version=ctranslate2.__version__,
+                   first_request_ids=first)
+
+
+def _convert_ctranslate2(model: Path, out: Path) -> None:
+    """The converter reads the vocabulary from a tokenizer; a model without one (Loom's reference
+    model) gets a word-level tokenizer of its vocabulary size, one string per id."""
+    import tempfile
+
+    import ctranslate2
+    from tokenizers import Tokenizer, models
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = model
+        if not (model / "tokenizer.json").is_file():
+            source = Path(tmp)
+            for f in model.iterdir():
+                (source / f.name).symlink_to(f)
+            config = json.loads((model / "config.json").read_text())
+            special = {"<unk>": 0, "<s>": config.get("bos_token_id", 1), "</s>": config.get("eos_token_id", 2)}
+            vocab = {f"t{i}": i for i in range(config["vocab_size"]) if i not in special.values()} | special
+            Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(source / "tokenizer.json"))
+            (source / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                 "unk_token": "<unk>"}))
+        ctranslate2.converters.TransformersConverter(str(source)).convert(str(out), quantization="float32", force=True)
+    (out / ".loom-source").write_text(str(model))
+
+
+if __name__ == "__main__":
+    _job = json.loads(sys.stdin.read())
+    print(json.dumps({"openvino": _openvino, "ctranslate2": _ctranslate2}[sys.argv[1]](_job)))

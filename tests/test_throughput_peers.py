@@ -1,0 +1,33 @@
+"""The throughput peers (each in a venv of its own, built on first use) compute the same model:
+greedy, their first request's tokens are Loom's, with prompts of several lengths in flight."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import random_prompts
+
+from loom import LLM, SamplingParams
+
+peers = pytest.mark.skipif(os.environ.get("LOOM_TEST_PEERS") != "1",
+                           reason="set LOOM_TEST_PEERS=1: OpenVINO GenAI and CTranslate2 install venvs of their own "
+                                  "(minutes), so they are not in the default suite")
+
+
+@peers
+@pytest.mark.parametrize("peer", ["openvino", "ctranslate2"])
+def test_peer_generates_what_loom_generates(gqa, peer):
+    from loom.bench import throughput_peers
+
+    model_dir, _ = gqa
+    prompts = [p[:n] for p, n in zip(random_prompts(3, 40, seed=1), (40, 17, 29))]
+    lens = [4, 6, 5]
+    if peer == "openvino":
+        out = throughput_peers.run_openvino(model_dir, "float32", prompts, lens, threads=2)
+    else:
+        out = throughput_peers.run_ctranslate2(model_dir, "float32", prompts, lens, threads=2, batch_size=3)
+    assert out["output_tokens"] == sum(lens) and out["seconds"] > 0
+    want = LLM(str(model_dir)).generate({"prompt_token_ids": prompts[0]},
+                                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out["first_request_ids"] == want[0].outputs[0].token_ids
+
