@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loom import LLM, SamplingParams
 from loom.bench.needles import character_names, make_needle_sample
-from loom.bench.report import cpu
+from loom.bench.report import cpu_label
 from loom.kv.policy import KV_POLICIES
 
 BUDGETS = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -102,7 +102,7 @@ def plot(path: Path, title: str, rows: list[dict]) -> None:
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}\n{cpu()['model']}", fontsize=9)
+    fig.suptitle(f"{title}\n{cpu_label()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from loom import LLM, SamplingParams
-from loom.bench.report import cpu
+from loom.bench.report import cpu_label
 from loom.kv.cache import kv_bytes_per_block
 from loom.models.reference import REFERENCE_134M, reference_model_dir
 from loom.sampling_params import RequestOutputKind
@@ -118,7 +118,7 @@ def plot(path: Path, title: str, decode: list[dict], capacity: list[dict]) -> No
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    fig.suptitle(f"{title}\n{cpu()['model']}", fontsize=9)
+    fig.suptitle(f"{title}\n{cpu_label()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -32,22 +32,31 @@ def report_name(kind: str, model: str | Path, default_model: str | Path) -> str:
 
 
 def cpu() -> dict[str, Any]:
-    """The CPU the figures were measured on: its model name and the features Loom's kernels and
-    torch's GEMMs choose paths by."""
-    name, flags = platform.processor() or platform.machine(), set()
+    """The CPU the figures were measured on: its model name, its family and model numbers (a
+    virtual machine's model name may not tell one generation from the next: "AMD EPYC" is Zen 3,
+    4 or 5) and the features Loom's kernels and torch's GEMMs choose paths by."""
+    name, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name":
                     name = value.strip()
+                elif key.strip() in ("cpu family", "model") and value.strip().isdigit():
+                    numbers[{"cpu family": "family", "model": "model_number"}[key.strip()]] = int(value)
                 elif key.strip() == "flags":
                     flags = set(value.split())
                     break
     except OSError:
         pass
     features = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    return {"model": name, "features": [f for f in features if f in flags]}
+    return {"model": name, **numbers, "features": [f for f in features if f in flags]}
+
+
+def cpu_label() -> str:
+    """The CPU's name for a plot's title: "AMD EPYC (family 26, model 2)"."""
+    c = cpu()
+    return f"{c['model']} (family {c['family']}, model {c['model_number']})" if "family" in c else c["model"]
 
 
 def environment() -> dict[str, Any]:
@@ -85,7 +94,7 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     bars = ax.bar(labels, values, color=["#4C72B0" if "loom" in l.lower() else "#999999" for l in labels])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n{cpu()['model']}, torch {torch.__version__}", fontsize=10)
+    ax.set_title(f"{title}\n{cpu_label()}, torch {torch.__version__}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -296,7 +296,7 @@ def soak_plot(path: Path, title: str, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from loom.bench.report import cpu
+    from loom.bench.report import cpu_label
 
     fig, (mem, kv) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for run in runs:
@@ -313,7 +313,7 @@ def soak_plot(path: Path, title: str, runs: list[dict]) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    mem.set_title(f"{title}\n{cpu()['model']}", fontsize=10)
+    mem.set_title(f"{title}\n{cpu_label()}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
