@@ -248,6 +248,7 @@ def _throughput(args: argparse.Namespace) -> None:
             except RuntimeError as e:  # a peer that cannot install or run is reported, not fatal
                 result = {"dtype": dtype, "skipped": str(e)}
             result["peer"] = peer
+            result.pop("first_request_ids", None)  # what the peers' tests compare, not a figure
             if "skipped" in result:
                 print(f"[{dtype}] {peer} skipped: {result['skipped']}", flush=True)
             else:
