@@ -1,7 +1,7 @@
-"""The offline-throughput peers of `loom bench throughput`, each in a venv of its own: OpenVINO
-GenAI's continuous-batching pipeline (paged KV cache and continuous batching on the CPU, the model
-exported to OpenVINO IR with optimum-intel) and CTranslate2's batched generator (the model
-converted with its own converter).
+"""The CPU peers of `loom bench throughput` and `loom bench prefill`, each in a venv of its own:
+OpenVINO GenAI (its continuous-batching pipeline: paged KV cache and continuous batching on the
+CPU; its LLMPipeline for one prompt at a time; the model exported to OpenVINO IR with
+optimum-intel) and CTranslate2's batched generator (the model converted with its own converter).
 
 Like the llama.cpp peer, this file serves both sides: imported by Loom it builds the venvs,
 converts the model once and sends the workload (token ids); run as a script by a peer venv's
@@ -75,6 +75,14 @@ def run_openvino(model_dir: Path, dtype: str, prompts: list[list[int]], output_l
     return _run(OPENVINO, "openvino", job)
 
 
+def run_openvino_prefill(model_dir: Path, dtype: str, prompts: dict[int, list[list[int]]], threads: int) -> dict:
+    """Median seconds to the first token of each length's prompts, one at a time through an
+    LLMPipeline (each prompt new to it, so nothing is reused from an earlier one)."""
+    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, OPENVINO)),
+           "dtype": dtype, "prompts": {str(n): p for n, p in prompts.items()}, "threads": threads}
+    return _run(OPENVINO, "openvino_prefill", job)
+
+
 def run_ctranslate2(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
                     threads: int, batch_size: int) -> dict:
     """Static batches of `batch_size` in arrival order through `Generator.generate_batch`."""
@@ -115,13 +123,8 @@ def _fresh(out: Path, source: str) -> bool:
     return marker.is_file() and marker.read_text() == source
 
 
-def _openvino(job: dict) -> dict:
-    import time
-
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as genai
-
+def _openvino_model(job: dict) -> Path:
+    """The job's model as OpenVINO IR, exported once."""
     out = Path(job["converted"])
     if not _fresh(out, job["model"]):
         # fp32 weights in the IR: the plugin's inference precision sets the dtype the model runs in
@@ -129,34 +132,72 @@ def _openvino(job: dict) -> dict:
                         job["model"], "--task", "text-generation-with-past", "--weight-format", "fp32", str(out)],
                        check=True, stdout=sys.stderr)
         (out / ".loom-source").write_text(job["model"])
+    return out
+
+
+def _openvino_properties(job: dict) -> dict:
     precision = OPENVINO_PRECISION[job["dtype"]]
+    return {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": precision,
+            "KV_CACHE_PRECISION": precision}
+
+
+def _openvino_config(max_new_tokens: int):
+    import openvino_genai as genai
+
+    c = genai.GenerationConfig()
+    c.max_new_tokens = c.min_new_tokens = max_new_tokens
+    c.ignore_eos, c.do_sample = True, False
+    return c
+
+
+def _openvino_ids(prompt: list[int]):
+    import numpy as np
+    import openvino as ov
+
+    return ov.Tensor(np.array([prompt], dtype=np.int64))
+
+
+def _openvino_prefill(job: dict) -> dict:
+    import statistics
+    import time
+
+    import openvino_genai as genai
+
+    pipe = genai.LLMPipeline(str(_openvino_model(job)), "CPU", _openvino_properties(job))
+    one = _openvino_config(1)
+    pipe.generate(_openvino_ids([5] * 64), one)  # compiles before the clock starts
+
+    def ttft(prompt: list[int]) -> float:
+        start = time.perf_counter()
+        pipe.generate(_openvino_ids(prompt), one)
+        return time.perf_counter() - start
+
+    return {"engine": "openvino-genai LLMPipeline", "dtype": job["dtype"], "version": genai.__version__,
+            "ttft_s": {n: statistics.median(ttft(p) for p in prompts) for n, prompts in job["prompts"].items()}}
+
+
+def _openvino(job: dict) -> dict:
+    import time
+
+    import openvino_genai as genai
+
+    out = _openvino_model(job)
     scheduler = genai.SchedulerConfig()
     scheduler.cache_size = 4  # GB: every request's blocks fit, as in Loom's run (no preemption)
     scheduler.max_num_seqs = 256
     scheduler.enable_prefix_caching = False
-    properties = {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": precision,
-                  "KV_CACHE_PRECISION": precision}
-    pipe = genai.ContinuousBatchingPipeline(str(out), scheduler, "CPU", properties)
-
-    def config(n: int) -> genai.GenerationConfig:
-        c = genai.GenerationConfig()
-        c.max_new_tokens = c.min_new_tokens = n
-        c.ignore_eos, c.do_sample = True, False
-        return c
-
-    def ids(prompt: list[int]) -> ov.Tensor:
-        return ov.Tensor(np.array([prompt], dtype=np.int64))
-
-    pipe.generate([ids([5] * 16)], [config(4)])  # compiles before the clock starts
+    pipe = genai.ContinuousBatchingPipeline(str(out), scheduler, "CPU", _openvino_properties(job))
+    pipe.generate([_openvino_ids([5] * 16)], [_openvino_config(4)])  # compiles before the clock starts
     start = time.perf_counter()
-    results = pipe.generate([ids(p) for p in job["prompts"]], [config(n) for n in job["output_lens"]])
+    results = pipe.generate([_openvino_ids(p) for p in job["prompts"]],
+                            [_openvino_config(n) for n in job["output_lens"]])
     seconds = time.perf_counter() - start
     generated = [len(r.m_generation_ids[0]) for r in results]
     if generated != job["output_lens"]:
         raise RuntimeError(f"OpenVINO generated {sum(generated)} tokens, {sum(job['output_lens'])} requested")
     return _useful(job, seconds, engine="openvino-genai continuous batching",
                    first_request_ids=list(results[0].m_generation_ids[0]),
-                   version=genai.__version__, kv_cache_precision=precision,
+                   version=genai.__version__, kv_cache_precision=OPENVINO_PRECISION[job["dtype"]],
                    scheduler={"cache_size_gb": scheduler.cache_size, "max_num_seqs": scheduler.max_num_seqs,
                               "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                               "dynamic_split_fuse": scheduler.dynamic_split_fuse})
@@ -220,4 +261,5 @@ def _convert_ctranslate2(model: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     _job = json.loads(sys.stdin.read())
-    print(json.dumps({"openvino": _openvino, "ctranslate2": _ctranslate2}[sys.argv[1]](_job)))
+    print(json.dumps({"openvino": _openvino, "openvino_prefill": _openvino_prefill,
+                      "ctranslate2": _ctranslate2}[sys.argv[1]](_job)))

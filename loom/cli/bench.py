@@ -1,5 +1,5 @@
-"""`loom bench throughput | attention | parallel | latency | planner | quality | prefix | serve | kv-quality |
-kv-speed`: each writes docs/benchmarks/<name>.json and .png."""
+"""`loom bench throughput | attention | parallel | prefill | latency | planner | quality | prefix | serve |
+kv-quality | kv-speed`: each writes docs/benchmarks/<name>.json and .png."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--prefill-tokens", type=int, default=512,
                    help="the prefill case's chunk: the last this many of --context tokens")
     a.set_defaults(func=_attention)
+
+    pf = sub.add_parser("prefill", help="time to the first token of one prompt vs llama.cpp and OpenVINO GenAI, "
+                                        "and with most of it cached")
+    common(pf)
+    pf.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    pf.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2047],
+                    help="prompt lengths (the reference model's 2048 positions hold 2047 and the sampled token)")
+    pf.add_argument("--cached", type=int, default=1536, help="tokens of the longest prompt already in the prefix cache")
+    pf.add_argument("--repeats", type=int, default=3, help="prompts of each length (medians)")
+    pf.add_argument("--peers", nargs="*", default=["llamacpp", "openvino"], choices=["llamacpp", "openvino"])
+    pf.set_defaults(func=_prefill)
 
     n = sub.add_parser("parallel", help="n samples forked from one prefill vs n separate requests")
     common(n)
@@ -281,6 +292,72 @@ def _throughput(args: argparse.Namespace) -> None:
                 values.append(p["output_tok_per_s"])
     bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads",
              labels, values, "output tok/s")
+    print(f"wrote {path}")
+
+
+def _prefill(args: argparse.Namespace) -> None:
+    import torch
+
+    from loom.bench import llamacpp, mfu, prefill, throughput_peers
+    from loom.bench.report import bar_plot, write_report
+    from loom.config import cache_root
+    from loom.models.config import ModelConfig
+
+    model, vocab = _setup(args)
+    config = ModelConfig.from_dir(model)
+    if not 0 < args.cached < max(args.prompt_lens):
+        raise ValueError(f"--cached: must be between 0 and the longest prompt, got {args.cached}")
+    prompts = prefill.random_prompts(args.prompt_lens, args.repeats, vocab)
+    gguf_types = {"float32": "f32", "bfloat16": "bf16"}
+    rows = []
+    for dtype in args.dtypes:
+        roof = mfu.gemm_roof(config, getattr(torch, dtype))["roof"]
+        engines = [prefill.run_loom(model, dtype, prompts, args.cached)]
+        if "llamacpp" in args.peers:
+            gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_types[dtype]}.gguf"
+            if not gguf.is_file():
+                from loom.models.gguf import export_gguf
+
+                export_gguf(model, gguf, gguf_types[dtype])
+            engines.append({"engine": "llama.cpp", "dtype": gguf_types[dtype], "ttft_s": {
+                n: llamacpp.run_llamacpp(gguf, ps[0], 2, args.threads, len(ps))["prefill_ms"] / 1e3
+                for n, ps in prompts.items()}})
+        if "openvino" in args.peers:
+            try:
+                engines.append(throughput_peers.run_openvino_prefill(model, dtype, prompts, args.threads))
+            except RuntimeError as e:  # a peer that cannot install or run is reported, not fatal
+                engines.append({"engine": "openvino-genai LLMPipeline", "dtype": dtype, "skipped": str(e)})
+        for e in engines:
+            if "skipped" in e:
+                print(f"[{dtype}] {e['engine']} skipped: {e['skipped']}", flush=True)
+                continue
+            e["ttft_s"] = {int(n): s for n, s in e["ttft_s"].items()}
+            e["prompt_tok_per_s"] = {n: n / s for n, s in e["ttft_s"].items()}
+            e["mfu"] = {n: mfu.request_flops(config, n, 1) / s / roof for n, s in e["ttft_s"].items()}
+            print(f"[{dtype}] {e['engine']}: " + ", ".join(
+                f"{n} tokens {s * 1e3:.0f} ms ({e['prompt_tok_per_s'][n]:.0f} tok/s, MFU {e['mfu'][n]:.2f})"
+                for n, s in e["ttft_s"].items()), flush=True)
+        loom = engines[0]
+        c = loom["cached"]
+        print(f"[{dtype}] loom, {c['cached_tokens']} of {c['prompt_len']} tokens cached: {c['ttft_s'] * 1e3:.0f} ms, "
+              f"{c['ratio_to_uncached']:.2f} of uncached", flush=True)
+        ratios = {f"loom / {e['engine']}, {n} tokens": e["ttft_s"][n] / loom["ttft_s"][n]
+                  for e in engines[1:] if "skipped" not in e for n in e["ttft_s"]}
+        for name, r in ratios.items():
+            print(f"[{dtype}] {name}: {r:.2f}x", flush=True)
+        rows.append({"dtype": dtype, "gemm_roof_flops_per_s": roof, "engines": engines, "speedups": ratios})
+    path = write_report("prefill", {"model": str(model), "prompt_lens": args.prompt_lens, "repeats": args.repeats,
+                                    "mfu": "model FLOPs of the prompt (linear layers, attention, one LM head row) "
+                                           "/ time to first token / the run's GEMM roof", "results": rows},
+                        args.out_dir)
+    labels, values = [], []
+    for r in rows:
+        for e in r["engines"]:
+            for n, v in e.get("prompt_tok_per_s", {}).items():
+                labels.append(f"{e['engine'].split()[0]}\n{r['dtype']}\n{n} tokens")
+                values.append(v)
+    bar_plot(path.with_suffix(".png"), "Prefill of one prompt: prompt tokens/s to the first token", labels, values,
+             "prompt tok/s")
     print(f"wrote {path}")
 
 
