@@ -1,5 +1,5 @@
-"""The throughput peers (each in a venv of its own, built on first use) compute the same model:
-greedy, their first request's tokens are Loom's, with prompts of several lengths in flight."""
+"""The throughput and prefill peers (each in a venv of its own, built on first use) compute the
+same model: greedy, their tokens are Loom's, with prompts of several lengths in flight."""
 from __future__ import annotations
 
 import os
@@ -31,3 +31,18 @@ def test_peer_generates_what_loom_generates(gqa, peer):
                                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert out["first_request_ids"] == want[0].outputs[0].token_ids
 
+
+
+@peers
+def test_openvino_prefill_samples_what_loom_samples(gqa):
+    from loom.bench import throughput_peers
+
+    model_dir, _ = gqa
+    prompts = {17: random_prompts(2, 17, seed=2), 40: random_prompts(2, 40, seed=3)}
+    out = throughput_peers.run_openvino_prefill(model_dir, "float32", prompts, threads=2)
+    assert set(out["ttft_s"]) == {"17", "40"} and all(s > 0 for s in out["ttft_s"].values())
+    llm = LLM(str(model_dir))
+    for n, ps in prompts.items():
+        want = [o.outputs[0].token_ids[0] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)]
+        assert out["first_tokens"][str(n)] == want

@@ -167,13 +167,18 @@ def _openvino_prefill(job: dict) -> dict:
     one = _openvino_config(1)
     pipe.generate(_openvino_ids([5] * 64), one)  # compiles before the clock starts
 
-    def ttft(prompt: list[int]) -> float:
-        start = time.perf_counter()
-        pipe.generate(_openvino_ids(prompt), one)
-        return time.perf_counter() - start
+    first_tokens: dict[str, list[int]] = {}
 
+    def ttft(n: str, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        result = pipe.generate(_openvino_ids(prompt), one)
+        seconds = time.perf_counter() - start
+        first_tokens.setdefault(n, []).append(int(result.tokens[0][0]))
+        return seconds
+
+    ttft_s = {n: statistics.median(ttft(n, p) for p in prompts) for n, prompts in job["prompts"].items()}
     return {"engine": "openvino-genai LLMPipeline", "dtype": job["dtype"], "version": genai.__version__,
-            "ttft_s": {n: statistics.median(ttft(p) for p in prompts) for n, prompts in job["prompts"].items()}}
+            "ttft_s": ttft_s, "first_tokens": first_tokens}
 
 
 def _openvino(job: dict) -> dict:
