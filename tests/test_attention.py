@@ -211,7 +211,7 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     import sys
 
     code = ("from loom.bench.attention import run, run_prefill; import torch; "
-            "print(sorted(run(2, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1))); "
+            "print(sorted(run(2, 32, 4, 2, 16, 16, torch.float32, layers=2, rounds=1, repeats=1))); "
             "print(sorted(run_prefill(8, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     decode, prefill = out.splitlines()

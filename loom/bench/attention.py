@@ -1,6 +1,8 @@
-"""Cost of paging: one layer's attention read from the block pool (scattered blocks) against
+"""Cost of paging: attention read from the block pool (scattered blocks) against
 `scaled_dot_product_attention` on a contiguous cache of the same shapes: a decode step of a
-batch, and a prompt chunk on top of a cached prefix."""
+batch over every layer of a model (timed per layer; one layer's cache would mostly sit in the
+CPU's last-level cache, which a real step's do not), and one layer's prompt chunk on top of a
+cached prefix."""
 from __future__ import annotations
 
 import statistics
@@ -35,38 +37,42 @@ def _interleaved(first, second, rounds: int, repeats: int) -> tuple[float, float
 
 
 def _pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-          g: torch.Generator) -> tuple[KVCache, torch.Tensor]:
-    """A one-layer pool of random k/v and `batch` block tables covering `context` tokens each,
-    their blocks scattered over the pool, as after many requests came and went."""
+          g: torch.Generator, layers: int = 1) -> tuple[KVCache, torch.Tensor]:
+    """A pool of random k/v for `layers` layers and `batch` block tables covering `context`
+    tokens each, their blocks scattered over the pool, as after many requests came and went."""
     blocks_per_seq = -(-context // block_size)
-    cache = KVCache(1, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu")
-    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
-    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
+    cache = KVCache(layers, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu")
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape, generator=g))
     return cache, torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32)
 
 
 def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-        rounds: int = 7, repeats: int = 10) -> dict:
-    """A decode step: `batch` queries, each over its own `context` cached tokens."""
+        layers: int = 1, rounds: int = 7, repeats: int = 10) -> dict:
+    """A decode step over `layers` layers: `batch` queries, each over its own `context` cached
+    tokens in every layer; times per layer."""
     load_kernels()
     g = torch.Generator().manual_seed(0)
-    cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g)
+    cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers)
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)
+    contiguous_kv = [(torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype),
+                      torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)) for _ in range(layers)]
     scale = head_dim ** -0.5
 
     def paged():
-        paged_decode_attention(q, cache, 0, tables, lens, scale, "cpp")
+        for layer in range(layers):
+            paged_decode_attention(q, cache, layer, tables, lens, scale, "cpp")
 
     def contiguous():
-        F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
+        for k, v in contiguous_kv:
+            F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
 
-    p, c = _interleaved(paged, contiguous, rounds, repeats)
+    p, c = (t / layers for t in _interleaved(paged, contiguous, rounds, repeats))
     kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
-    return {"dtype": str(dtype).removeprefix("torch."), "paged_ms": p * 1e3, "contiguous_sdpa_ms": c * 1e3,
-            "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9, "contiguous_GBps": kv_bytes / c / 1e9}
+    return {"dtype": str(dtype).removeprefix("torch."), "layers": layers, "paged_ms": p * 1e3,
+            "contiguous_sdpa_ms": c * 1e3, "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9,
+            "contiguous_GBps": kv_bytes / c / 1e9}
 
 
 def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,

@@ -372,22 +372,22 @@ def _attention(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_dir(model)
     dtypes = (torch.float32, torch.bfloat16)
     shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16)
-    decode = [attention.run(args.batch, args.context, *shape, dtype) for dtype in dtypes]
+    decode = [attention.run(args.batch, args.context, *shape, dtype, layers=cfg.num_layers) for dtype in dtypes]
     prefill = [attention.run_prefill(args.prefill_tokens, args.context, *shape, dtype) for dtype in dtypes]
     for case, rows in (("decode", decode), ("prefill", prefill)):
         for r in rows:
             print(f"[{case} {r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
                   f"ratio {r['ratio_paged_over_contiguous']:.3f}")
-    path = write_report("paged_attention", {"batch": args.batch, "context": args.context,
+    path = write_report("paged_attention", {"batch": args.batch, "context": args.context, "decode_layers": cfg.num_layers,
                                             "prefill_tokens": args.prefill_tokens, "heads": cfg.num_heads,
                                             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                                             "block_size": 16, "results": decode, "prefill": prefill}, args.out_dir)
     labels = [f"{case}\n{name}\n{r['dtype']}" for case, rows in (("decode", decode), ("prefill", prefill))
               for r in rows for name in ("Loom paged", "SDPA")]
     values = [v for rows in (decode, prefill) for r in rows for v in (r["paged_ms"], r["contiguous_sdpa_ms"])]
-    bar_plot(path.with_suffix(".png"), f"Attention of one layer: decode at batch {args.batch}, context "
-             f"{args.context}; prefill of the last {args.prefill_tokens} tokens", labels, values,
-             "ms per layer (median)")
+    bar_plot(path.with_suffix(".png"), f"Attention per layer: decode at batch {args.batch}, context "
+             f"{args.context}, over {cfg.num_layers} layers' caches; prefill of the last {args.prefill_tokens} tokens",
+             labels, values, "ms per layer (median)")
     print(f"wrote {path}")
 
 
