@@ -20,25 +20,15 @@ from pathlib import Path
 
 # torch as Loom pins it (pip takes the CPU build from this machine's disk); kvpress 0.5 needs
 # a transformers before 5.3.
-PEER_PACKAGES = ["torch==2.13.0", "transformers>=4.56,<5.3", "kvpress==0.5.5"]
+PEER_PACKAGES = ("torch==2.13.0", "transformers>=4.56,<5.3", "kvpress==0.5.5")
 PRESSES = ("streaming", "snapkv")
 
 
 def ensure_kvpress_venv() -> Path:
     """Creates (once) the peer venv; returns its python."""
-    from loom.bench.llamacpp import peer_dir, run_logged
+    from loom.bench.llamacpp import PeerVenv, ensure_venv
 
-    venv = peer_dir() / "kvpress-venv"
-    python = venv / "bin" / "python"
-    marker = venv / ".loom-ready"
-    build = " ".join(PEER_PACKAGES) + "\n"
-    if marker.is_file() and marker.read_text() == build:
-        return python
-    run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)],
-                 [str(python), "-m", "pip", "install", "--no-cache-dir", *PEER_PACKAGES]],
-                peer_dir() / "kvpress-install.log", None, "installing the kvpress peer venv")
-    marker.write_text(build)
-    return python
+    return ensure_venv(PeerVenv("kvpress", PEER_PACKAGES))
 
 
 def run_kvpress(model_dir: Path, prompts: list[list[int]], max_tokens: int, budgets: list[float],

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 PEER_PACKAGES = ["llama-cpp-python", "numpy"]
@@ -29,6 +30,17 @@ def peer_dir() -> Path:
     from loom.config import cache_root  # imported here: the peer venv has no torch
 
     return cache_root() / "peers"
+
+
+def peer_gguf(model_dir: Path, gguf_type: str) -> Path:
+    """The model's weights as a GGUF file of `gguf_type` ("f32", "bf16", "q8_0", ...) for the
+    llama.cpp peers, written once into Loom's cache."""
+    from loom.models.gguf import export_gguf
+
+    gguf = peer_dir() / "gguf" / f"{Path(model_dir).name}-{gguf_type}.gguf"
+    if not gguf.is_file():
+        export_gguf(model_dir, gguf, gguf_type)
+    return gguf
 
 
 def ensure_llamacpp_venv() -> Path:
@@ -101,6 +113,39 @@ def ensure_llama_server() -> Path:
         built.replace(binary)
     marker.write_text(build)
     return binary
+
+
+@dataclass(frozen=True)
+class PeerVenv:
+    """A peer's venv of plain pip installs (every peer but llama.cpp, which compiles)."""
+    name: str
+    packages: tuple[str, ...]
+    # installed after `packages`, with torch held at the version `packages` pins
+    extra: tuple[str, ...] = ()
+    # removed last: packages pulled in that cannot load beside that torch and that the peer never uses
+    remove: tuple[str, ...] = ()
+
+
+def ensure_venv(peer: PeerVenv) -> Path:
+    """Creates (once) the peer's venv; returns its python. A failure raises, naming the log."""
+    venv = peer_dir() / f"{peer.name}-venv"
+    python = venv / "bin" / "python"
+    marker = venv / ".loom-ready"
+    build = repr(peer) + "\n"
+    if marker.is_file() and marker.read_text() == build:
+        return python
+    pip = [str(python), "-m", "pip"]
+    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], [*pip, "install", "--no-cache-dir", *peer.packages]]
+    if peer.extra:
+        constraints = peer_dir() / f"{peer.name}-constraints.txt"
+        constraints.parent.mkdir(parents=True, exist_ok=True)
+        constraints.write_text("".join(f"{p}\n" for p in peer.packages if p.startswith("torch==")))
+        steps.append([*pip, "install", "--no-cache-dir", "-c", str(constraints), *peer.extra])
+    if peer.remove:
+        steps.append([*pip, "uninstall", "-y", *peer.remove])
+    run_logged(steps, peer_dir() / f"{peer.name}-install.log", None, f"installing the {peer.name} peer venv")
+    marker.write_text(build)
+    return python
 
 
 def run_logged(steps: list[list[str]], log_path: Path, env: dict | None, what: str) -> None:

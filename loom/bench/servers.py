@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from loom.bench.llamacpp import peer_gguf
 from loom.bench.serve import ServeRequest, request_body, split_weights
 from loom.config import cache_root
 
@@ -102,13 +103,7 @@ def launch_loom(model_dir: Path, weights: str, max_num_seqs: int, threads: int, 
 
 
 def _gguf(model_dir: Path, weights: str) -> Path:
-    from loom.models.gguf import export_gguf
-
-    gguf_type = GGUF_TYPES[weights]
-    gguf = cache_root() / "peers" / "gguf" / f"{Path(model_dir).name}-{gguf_type}.gguf"
-    if not gguf.is_file():
-        export_gguf(model_dir, gguf, gguf_type)
-    return gguf
+    return peer_gguf(model_dir, GGUF_TYPES[weights])
 
 
 def launch_llama_server(model_dir: Path, weights: str, parallel: int, context_per_slot: int, threads: int,

@@ -17,94 +17,59 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 
-@dataclass(frozen=True)
-class PeerVenv:
-    name: str
-    packages: tuple[str, ...]
-    # installed after `packages`, with torch held at the version `packages` pins
-    extra: tuple[str, ...] = ()
-    # removed last: packages pulled in that cannot load beside that torch and that the peer never uses
-    remove: tuple[str, ...] = ()
-
-
-# torch as Loom pins it (the CPU build; only the exporters use it). optimum-intel requires
-# torchvision, whose PyPI build cannot load beside the CPU torch and which exporting a causal LM
-# never imports, so it is removed (transformers then sees no torchvision, as it should).
-OPENVINO = PeerVenv("openvino", ("torch==2.13.0",),
-                    ("optimum-intel[openvino]==2.2.0", "openvino-genai==2026.4.1.0"), ("torchvision",))
-CTRANSLATE2 = PeerVenv("ctranslate2", ("torch==2.13.0", "transformers>=4.56,<5.6", "ctranslate2==4.8.5"))
+# Each peer's venv (loom.bench.llamacpp.PeerVenv's fields; plain data, as this file's top level
+# must import nothing outside the standard library). torch as Loom pins it (the CPU build; only
+# the exporters use it). optimum-intel requires torchvision, whose PyPI build cannot load beside
+# the CPU torch and which exporting a causal LM never imports, so it is removed (transformers then
+# sees no torchvision, as it should).
+OPENVINO = {"name": "openvino", "packages": ("torch==2.13.0",),
+            "extra": ("optimum-intel[openvino]==2.2.0", "openvino-genai==2026.4.1.0"), "remove": ("torchvision",)}
+CTRANSLATE2 = {"name": "ctranslate2", "packages": ("torch==2.13.0", "transformers>=4.56,<5.6", "ctranslate2==4.8.5")}
 
 # Loom's KV cache holds the model's dtype; OpenVINO's CPU plugin would otherwise pick its own
 # (u8 on recent releases) and its inference precision (bf16 wherever the CPU has it).
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
 
-def ensure_venv(peer: PeerVenv) -> Path:
-    """Creates (once) the peer's venv; returns its python. A failure raises, naming the log."""
-    from loom.bench.llamacpp import peer_dir, run_logged
-
-    venv = peer_dir() / f"{peer.name}-venv"
-    python = venv / "bin" / "python"
-    marker = venv / ".loom-ready"
-    build = repr(peer) + "\n"
-    if marker.is_file() and marker.read_text() == build:
-        return python
-    pip = [str(python), "-m", "pip"]
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], [*pip, "install", "--no-cache-dir", *peer.packages]]
-    if peer.extra:
-        constraints = peer_dir() / f"{peer.name}-constraints.txt"
-        constraints.parent.mkdir(parents=True, exist_ok=True)
-        constraints.write_text("".join(f"{p}\n" for p in peer.packages if p.startswith("torch==")))
-        steps.append([*pip, "install", "--no-cache-dir", "-c", str(constraints), *peer.extra])
-    if peer.remove:
-        steps.append([*pip, "uninstall", "-y", *peer.remove])
-    run_logged(steps, peer_dir() / f"{peer.name}-install.log", None, f"installing the {peer.name} peer venv")
-    marker.write_text(build)
-    return python
-
-
 def run_openvino(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
                  threads: int) -> dict:
     """Every request added to one ContinuousBatchingPipeline at once, timed to the last token."""
-    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, OPENVINO)),
-           "dtype": dtype, "prompts": prompts, "output_lens": output_lens, "threads": threads}
-    return _run(OPENVINO, "openvino", job)
+    return _run(OPENVINO, "openvino", model_dir, dtype, threads, prompts=prompts, output_lens=output_lens)
 
 
 def run_openvino_prefill(model_dir: Path, dtype: str, prompts: dict[int, list[list[int]]], threads: int) -> dict:
     """Median seconds to the first token of each length's prompts, one at a time through an
     LLMPipeline (each prompt new to it, so nothing is reused from an earlier one)."""
-    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, OPENVINO)),
-           "dtype": dtype, "prompts": {str(n): p for n, p in prompts.items()}, "threads": threads}
-    return _run(OPENVINO, "openvino_prefill", job)
+    return _run(OPENVINO, "openvino_prefill", model_dir, dtype, threads,
+                prompts={str(n): p for n, p in prompts.items()})
 
 
 def run_ctranslate2(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
                     threads: int, batch_size: int) -> dict:
     """Static batches of `batch_size` in arrival order through `Generator.generate_batch`."""
-    job = {"model": str(Path(model_dir).resolve()), "converted": str(_converted(model_dir, CTRANSLATE2)),
-           "dtype": dtype, "prompts": prompts, "output_lens": output_lens, "threads": threads,
-           "batch_size": batch_size}
-    return _run(CTRANSLATE2, "ctranslate2", job)
+    return _run(CTRANSLATE2, "ctranslate2", model_dir, dtype, threads, prompts=prompts, output_lens=output_lens,
+                batch_size=batch_size)
 
 
-def _converted(model_dir: Path, peer: PeerVenv) -> Path:
-    from loom.bench.llamacpp import peer_dir
+def _run(peer: dict, command: str, model_dir: Path, dtype: str, threads: int, **fields: object) -> dict:
+    """Runs `command` in the peer's venv on a job naming the model, where the peer's conversion
+    of it lives (Loom's cache), the dtype and threads, and the command's own fields."""
+    from loom.bench.llamacpp import PeerVenv, ensure_venv, peer_dir
 
-    return peer_dir() / "models" / f"{Path(model_dir).resolve().name}-{peer.name}"
-
-
-def _run(peer: PeerVenv, command: str, job: dict) -> dict:
-    python = ensure_venv(peer)
+    venv = PeerVenv(**peer)
+    model = Path(model_dir).resolve()
+    job = {"model": str(model), "converted": str(peer_dir() / "models" / f"{model.name}-{venv.name}"),
+           "dtype": dtype, "threads": threads, **fields}
+    python = ensure_venv(venv)
     # -I: the script's folder (loom/bench) must not shadow modules of the peer venv.
     done = subprocess.run([str(python), "-I", str(Path(__file__).resolve()), command], input=json.dumps(job),
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the {peer.name} peer failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {venv.name} peer failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -117,22 +82,21 @@ def _useful(job: dict, seconds: float, **fields: object) -> dict:
             "output_tokens": tokens, "output_tok_per_s": tokens / seconds, **fields}
 
 
-def _fresh(out: Path, source: str) -> bool:
-    """Whether `out` holds a finished conversion of `source` (the marker is written last)."""
-    marker = out / ".loom-source"
-    return marker.is_file() and marker.read_text() == source
-
-
-def _openvino_model(job: dict) -> Path:
-    """The job's model as OpenVINO IR, exported once."""
-    out = Path(job["converted"])
-    if not _fresh(out, job["model"]):
-        # fp32 weights in the IR: the plugin's inference precision sets the dtype the model runs in
-        subprocess.run([str(Path(sys.executable).with_name("optimum-cli")), "export", "openvino", "--model",
-                        job["model"], "--task", "text-generation-with-past", "--weight-format", "fp32", str(out)],
-                       check=True, stdout=sys.stderr)
-        (out / ".loom-source").write_text(job["model"])
+def _converted(job: dict, convert: Callable[[Path, Path], None]) -> Path:
+    """The job's model in the peer's format: `convert(model, out)` once, then reused (a marker
+    naming the source, written last, tells a finished conversion from an interrupted one)."""
+    out, marker = Path(job["converted"]), Path(job["converted"]) / ".loom-source"
+    if not (marker.is_file() and marker.read_text() == job["model"]):
+        convert(Path(job["model"]), out)
+        marker.write_text(job["model"])
     return out
+
+
+def _export_openvino(model: Path, out: Path) -> None:
+    # fp32 weights in the IR: the plugin's inference precision sets the dtype the model runs in
+    subprocess.run([str(Path(sys.executable).with_name("optimum-cli")), "export", "openvino", "--model", str(model),
+                    "--task", "text-generation-with-past", "--weight-format", "fp32", str(out)],
+                   check=True, stdout=sys.stderr)
 
 
 def _openvino_properties(job: dict) -> dict:
@@ -163,7 +127,7 @@ def _openvino_prefill(job: dict) -> dict:
 
     import openvino_genai as genai
 
-    pipe = genai.LLMPipeline(str(_openvino_model(job)), "CPU", _openvino_properties(job))
+    pipe = genai.LLMPipeline(str(_converted(job, _export_openvino)), "CPU", _openvino_properties(job))
     one = _openvino_config(1)
     pipe.generate(_openvino_ids([5] * 64), one)  # compiles before the clock starts
 
@@ -186,7 +150,7 @@ def _openvino(job: dict) -> dict:
 
     import openvino_genai as genai
 
-    out = _openvino_model(job)
+    out = _converted(job, _export_openvino)
     scheduler = genai.SchedulerConfig()
     scheduler.cache_size = 4  # GB: every request's blocks fit, as in Loom's run (no preemption)
     scheduler.max_num_seqs = 256
@@ -217,9 +181,7 @@ def _ctranslate2(job: dict) -> dict:
     if job["dtype"] not in supported:
         return {"dtype": job["dtype"], "skipped": f"CTranslate2 {ctranslate2.__version__} has no {job['dtype']} "
                 f"compute type on this CPU (it offers {', '.join(sorted(supported))})"}
-    out = Path(job["converted"])
-    if not _fresh(out, job["model"]):
-        _convert_ctranslate2(Path(job["model"]), out)
+    out = _converted(job, _convert_ctranslate2)
     words = json.loads((out / "vocabulary.json").read_text())  # the generator takes token strings
     generator = ctranslate2.Generator(str(out), device="cpu", compute_type=job["dtype"], inter_threads=1,
                                       intra_threads=job["threads"])
@@ -261,7 +223,6 @@ def _convert_ctranslate2(model: Path, out: Path) -> None:
                 {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                  "unk_token": "<unk>"}))
         ctranslate2.converters.TransformersConverter(str(source)).convert(str(out), quantization="float32", force=True)
-    (out / ".loom-source").write_text(str(model))
 
 
 if __name__ == "__main__":

@@ -300,7 +300,6 @@ def _prefill(args: argparse.Namespace) -> None:
 
     from loom.bench import llamacpp, mfu, prefill, throughput_peers
     from loom.bench.report import bar_plot, write_report
-    from loom.config import cache_root
     from loom.models.config import ModelConfig
 
     model, vocab = _setup(args)
@@ -314,11 +313,7 @@ def _prefill(args: argparse.Namespace) -> None:
         roof = mfu.gemm_roof(config, getattr(torch, dtype))["roof"]
         engines = [prefill.run_loom(model, dtype, prompts, args.cached)]
         if "llamacpp" in args.peers:
-            gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_types[dtype]}.gguf"
-            if not gguf.is_file():
-                from loom.models.gguf import export_gguf
-
-                export_gguf(model, gguf, gguf_types[dtype])
+            gguf = llamacpp.peer_gguf(model, gguf_types[dtype])
             engines.append({"engine": "llama.cpp", "dtype": gguf_types[dtype], "ttft_s": {
                 n: llamacpp.run_llamacpp(gguf, ps[0], 2, args.threads, len(ps))["prefill_ms"] / 1e3
                 for n, ps in prompts.items()}})
@@ -849,8 +844,7 @@ LATENCY_VARIANTS = [("float32", None, "f32"), ("bfloat16", None, "bf16"), ("bflo
 
 def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
     """One pass over every engine and variant (Loom, then its peers for the same weights)."""
-    from loom.bench import latency
-    from loom.config import cache_root
+    from loom.bench import latency, llamacpp
 
     rows = []
     for dtype, quant, gguf_type in LATENCY_VARIANTS:
@@ -865,12 +859,7 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
                 rows.append(r)
                 print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if not args.no_llamacpp:
-            gguf = cache_root() / "peers" / "gguf" / f"{model.name}-{gguf_type}.gguf"
-            if not gguf.is_file():
-                from loom.models.gguf import export_gguf
-
-                export_gguf(model, gguf, gguf_type)
-            rows.append(_llamacpp_row(args, gguf, gguf_type, cfg))
+            rows.append(_llamacpp_row(args, llamacpp.peer_gguf(model, gguf_type), gguf_type, cfg))
     for checkpoint in args.checkpoints:
         for batch in args.batches:
             r = latency.run_loom(checkpoint, "bfloat16", None, batch, args.prompt_len, args.max_tokens, args.repeats)
