@@ -108,8 +108,8 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
         postprocess = scheduler.postprocess
 
         def record(batch, results, postprocess=postprocess, seen=seen):
-            seen += [(s.request.request_id, s.num_computed_tokens, r.kv_scores.clone())
-                     for s, r in zip(batch.seqs, results) if r.kv_scores is not None]
+            seen += [(s.request.request_id, s.num_computed_tokens, s.kv_scores.scores.clone())
+                     for s in batch.seqs if s.kv_scores is not None]
             return postprocess(batch, results)
 
         scheduler.postprocess = record
@@ -117,7 +117,7 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
         scores[eager] = seen
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
     assert outs[False] == outs[True]
-    # The scores each step added, layer by layer, are the eager ones.
+    # The scores accumulated after each step, layer by layer, are the eager ones.
     assert [s[:2] for s in scores[False]] == [s[:2] for s in scores[True]]
     assert all(torch.allclose(c[2], e[2], atol=1e-5) for c, e in zip(scores[False], scores[True]))
     assert len(llm.engine.runner.decode_graphs.graphs) > 2  # the load's two unscored graphs, and the scored

@@ -14,7 +14,7 @@ from loom import LLM, SamplingParams
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.kv.policy import SNAPKV_POOL, SNAPKV_WINDOW, KVPolicy
-from loom.kv.scores import HeadScores, gumbel_reference, reference_row_scores, row_key
+from loom.kv.scores import HeadScores, gumbel_reference, lowest_unprotected, reference_row_scores, row_key
 
 BLOCK = 8
 
@@ -72,7 +72,7 @@ def test_snapkv_scores_only_its_window_pools_and_then_keeps_every_generated_toke
 def test_head_scores_fill_each_heads_holes_from_its_tail():
     state = HeadScores(1, 2, capacity=2)
     state.append(0, 6)
-    state.add(torch.arange(12.).view(1, 2, 6))
+    state.scores.copy_(torch.arange(12.).view(1, 2, 6))
     moves, written = state.plan_drop(torch.tensor([[[1, 5], [3, 4]]]))
     state.apply(moves, 4)
     assert state.positions.tolist() == [[[0, 4, 2, 3], [0, 1, 2, 5]]]
@@ -98,36 +98,56 @@ def test_gumbel_noise_is_keyed_and_distributed_as_gumbel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads,block_size", [(2, 16), (1, 8), (4, 16)])
-def test_decode_kernel_scores_equal_their_definition(dtype, kv_heads, block_size):
+@pytest.mark.parametrize("temp", [1.5, 1.0])
+def test_decode_kernel_adds_scores_of_their_definition_to_each_rows_state(dtype, kv_heads, block_size, temp):
+    """Row 0 scores with noise (Keyformer), row 1 without (H2O: the attention's own
+    probabilities), row 2 not at all; each scored row's state gains exactly the scores of the
+    definition in the called layer, and nothing elsewhere; row 0 also gets each head's lowest
+    entry old enough to drop."""
     load_kernels()
     g = torch.Generator().manual_seed(0)
-    heads, head_dim, batch, num_blocks = 4, 32, 3, 40
-    cache = KVCache(2, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
+    heads, head_dim, batch, num_blocks, num_layers = 4, 32, 3, 40, 2
+    cache = KVCache(num_layers, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
     for t in cache.keys + cache.values:
         t.copy_(torch.randn(t.shape, generator=g))
-    lens = torch.tensor([37, 1, 70], dtype=torch.int32)
+    lens = torch.tensor([37, 70, 5], dtype=torch.int32)
     per_seq = -(-70 // block_size)
-    width = per_seq * block_size
     tables = torch.randperm(num_blocks, generator=g)[:batch * per_seq].view(batch, per_seq).int()
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
-    temps = torch.tensor([1.5, 1.0, 0.0])
+    temps = torch.tensor([temp, 1.0, 0.0])
     keys = torch.tensor([row_key(1, 0, 37), -1, 5])
-    positions = torch.randint(0, 1000, (batch, kv_heads, width), generator=g, dtype=torch.int32)
-    out = torch.zeros(batch, kv_heads, width)
+    states = []
+    for n in lens.tolist():
+        state = HeadScores(num_layers, kv_heads, capacity=n + 3)  # wider than the context, as after growth
+        state.append(0, n)
+        state.positions.copy_(torch.randint(0, 1000, state.positions.shape, generator=g, dtype=torch.int32))
+        state.scores.copy_(torch.rand(state.scores.shape, generator=g))  # what earlier steps added
+        states.append(state)
+    before = [s.scores.clone() for s in states]
+    rows = torch.tensor([s.address() for s in states])
+    rows[2] = 0  # a row not scored has no state
+    newest = torch.tensor([600, -1, -1])
     attn, _ = torch.ops.loom.paged_decode_attention_scored(q, cache.keys[1], cache.values[1], tables, lens, 0.3,
-                                                           out, temps, keys, 1, positions)
+                                                           rows, temps, keys, newest, 1)
     plain, _ = torch.ops.loom.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lens, 0.3)
     assert torch.equal(attn, plain)  # scoring changes nothing of the attention
-    for b in range(batch):
-        n = int(lens[b])
+    for b in range(2):
+        n, state = int(lens[b]), states[b]
         k, _ = cache.gather(1, tables[b, :(n + block_size - 1) // block_size].long(), n)
         logits = torch.einsum("hd,htd->ht", q[b].float(), k.float().repeat_interleave(heads // kv_heads, 0)) * 0.3
-        expected = reference_row_scores(logits[:, None], kv_heads, torch.tensor([n]), temps[b:b + 1], keys[b:b + 1],
-                                        1, positions[b, :, :n])
-        assert torch.allclose(out[b, :, :n], expected, atol=1e-5), b
-        assert not out[b, :, n:].any()
-    assert torch.allclose(out[0].sum(-1), torch.full((kv_heads,), heads / kv_heads))  # probabilities, per query head
-    assert not out[2].any()  # temperature 0: not scored
+        added = reference_row_scores(logits[:, None], kv_heads, torch.tensor([n]), temps[b:b + 1], keys[b:b + 1],
+                                     1, state.positions[1])
+        assert torch.allclose(state.scores[1], before[b][1] + added, atol=1e-5), b
+        assert torch.allclose(added.sum(-1), torch.full((kv_heads,), heads / kv_heads))  # probabilities per query head
+        assert torch.equal(state.scores[0], before[b][0])  # other layers untouched
+    assert torch.equal(states[0].lowest[1], lowest_unprotected(states[0].scores[1], states[0].positions[1], 600))
+    assert not states[0].lowest[0].any() and not states[1].lowest.any()  # other layers, and rows not asked
+    assert torch.equal(states[2].scores, before[2])  # temperature 0: not scored
+    short = rows.clone()
+    short[1, 3] = 69  # a state narrower than its row's context is refused, not overrun
+    with pytest.raises(RuntimeError, match="shorter than its context"):
+        torch.ops.loom.paged_decode_attention_scored(q, cache.keys[1], cache.values[1], tables, lens, 0.3,
+                                                     short, temps, keys, newest, 1)
 
 
 def test_prompt_row_scores_equal_their_definition():
@@ -302,7 +322,7 @@ def test_plan_drop_moves_equal_a_plain_compaction(num_dropped):
     g = torch.Generator().manual_seed(num_dropped)
     state = HeadScores(3, 4)
     state.append(100, 20)
-    state.add(torch.rand(3, 4, 20, generator=g))
+    state.scores.copy_(torch.rand(3, 4, 20, generator=g))
     dropped = torch.rand(3, 4, 20, generator=g).argsort(-1)[..., :num_dropped]
     before = state.positions.clone(), state.scores.clone()
     moves, written = state.plan_drop(dropped)
@@ -349,7 +369,6 @@ def test_move_kernel_equals_the_pytorch_moves(dtype):
 
 
 def test_lowest_unprotected_op_equals_its_definition():
-    from loom.kv.scores import lowest_unprotected
 
     load_kernels()
     g = torch.Generator().manual_seed(4)

@@ -241,7 +241,7 @@ def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):
 
 
 SHM_CHECK = """
-import torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 from loom.config import ParallelConfig
 from loom.parallel.state import SHM_SLOT_BYTES, init_parallel
 state = init_parallel(ParallelConfig(tensor_parallel_size=2, all_reduce="shared_memory"), torch.device("cpu"))
@@ -283,8 +283,12 @@ for shm in (state.shm_group, None):
     assert torch.equal(comm.all_to_all_wait(second, [], shm), expected(2))
     assert torch.equal(comm.all_to_all_wait(third, [], shm), expected(3))
     assert torch.equal(torch.ops.loom.shm_all_reduce(torch.ones(7), state.shm_group), torch.full((7,), 2.0))
-print("sums ok")
+print("sums ok", flush=True)
 dist.destroy_process_group()
+# torch 2.13's gloo backend, once a functional all-to-all ran through it, aborts now and then in
+# the interpreter's own teardown (after everything above finished; "terminate called without an
+# active exception", about 1 exit in 10 here): the checks are done, so leave without it.
+os._exit(0)
 """
 
 

@@ -21,7 +21,7 @@ from loom.engine.sequence import Sequence
 from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, PromptScores
 from loom.kv.cache import KVCache, kv_cache_blocks
-from loom.kv.scores import row_key
+from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.dispatch import plan_switches, planned_kernels
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
@@ -173,31 +173,32 @@ class ModelRunner:
         keys = [row_key(seed, seq.index, p) if policy.noisy else -1 for p in range(start, start + n)]
         return temps, keys
 
-    def _decode_scores(self, decodes: list[Sequence], width: int) -> tuple[DecodeScores, list[int]] | None:
-        """The decode rows' score inputs, and which rows score; None when none does."""
+    def _decode_scores(self, decodes: list[Sequence]) -> DecodeScores | None:
+        """The decode rows' score inputs; None when no row scores."""
         rows = [(b, self._score_rows(s, s.num_computed_tokens, 1)) for b, s in enumerate(decodes)]
         rows = [(b, r) for b, r in rows if r is not None]
         if not rows:
             return None
-        num_layers, num_kv_heads = self.kv_heads
-        shape = (num_layers, len(decodes), num_kv_heads, width)
-        # Only each scored row's first context-length entries are written (out, by the kernel) and read.
-        scores = DecodeScores(temps=torch.zeros(len(decodes), device=self.device),
-                              row_keys=torch.full((len(decodes),), -1, device=self.device),
-                              out=[torch.empty(shape[1:], device=self.device) for _ in range(num_layers)],
-                              key_positions=torch.empty(shape, dtype=torch.int32, device=self.device))
-        for b, (temps, keys) in rows:
+        n = len(decodes)
+        temps, keys, newest, addresses = [0.0] * n, [-1] * n, [-1] * n, [[0] * 5] * n
+        states: list[HeadScores | None] = [None] * n
+        for b, (row_temps, row_keys) in rows:
             seq = decodes[b]
-            n = seq.kv.num_tokens
-            scores.temps[b], scores.row_keys[b] = temps[0], keys[0]
-            scores.key_positions[:, b, :, :n] = seq.kv_scores.positions
-            scores.key_positions[:, b, :, n] = seq.num_computed_tokens
-        return scores, [b for b, _ in rows]
+            state = states[b] = seq.kv_scores
+            temps[b], keys[b], addresses[b] = row_temps[0], row_keys[0], state.address()
+            # A drop of one token per head follows this step: the kernel finds it with the scores.
+            state.lowest_newest = seq.request.kv_policy.single_drop_newest(state.num_tokens, seq.num_computed_tokens)
+            if state.lowest_newest is not None:
+                newest[b] = state.lowest_newest
+        return DecodeScores(temps=torch.tensor(temps, device=self.device),
+                            row_keys=torch.tensor(keys, device=self.device),
+                            rows=torch.tensor(addresses, device=self.device),
+                            newest=torch.tensor(newest, device=self.device), states=states)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         """Runs one step (on rank 0, the driver): a result per scheduled sequence."""
-        inputs, sampled_seqs, prompt_seqs, scored_rows = self._prepare(batch)
+        inputs, sampled_seqs, prompt_seqs = self._prepare(batch)
         try:
             if self.parallel.world_size > 1:
                 self._count_collectives(inputs, broadcast_step(inputs, self.parallel)[1])
@@ -208,14 +209,6 @@ class ModelRunner:
             self._out_of_step = True  # the other ranks may wait in any collective of this step
             raise LockStepError(self.parallel, error) from error
         outputs = [SeqStepOutput() for _ in batch.seqs]
-        meta = inputs.meta
-        if meta.decode_scores is not None:
-            step_scores = torch.stack(meta.decode_scores.out)
-            for b in scored_rows:
-                outputs[b].kv_scores = step_scores[:, b, :, :batch.seqs[b].kv.num_tokens + 1]
-        for i, seg in enumerate(meta.prefills, start=batch.num_decodes):
-            if seg.scores is not None:
-                outputs[i].kv_scores = seg.scores.out
         if sampled_seqs:
             rows = [self._sample_row(batch.seqs[i]) for i in sampled_seqs]
             for i, result in zip(sampled_seqs, self.sampler(logits[0], rows)):
@@ -288,9 +281,9 @@ class ModelRunner:
         logits += [self.model.compute_logits(hidden[first:first + n]) for first, n in inputs.prompt_logit_rows]
         return logits
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], list[int], list[int]]:
-        """The step's inputs, and (as batch indices) the sequences sampled, those whose prompt
-        logprobs this step computes, and the decode rows that score for their KV policy."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], list[int]]:
+        """The step's inputs, and (as batch indices) the sequences sampled and those whose prompt
+        logprobs this step computes."""
         input_ids, positions, slots = [], [], []
         sample_rows: list[int] = []
         sampled_seqs: list[int] = []
@@ -310,7 +303,7 @@ class ModelRunner:
                 score_rows = self._score_rows(seq, start, n)
                 prompt_scores = None if score_rows is None else PromptScores(
                     torch.tensor(score_rows[0], device=self.device), torch.tensor(score_rows[1], device=self.device),
-                    torch.zeros(*self.kv_heads, stored + n, device=self.device))
+                    seq.kv_scores.scores)
                 prefills.append(PrefillSegment(start=row, num_tokens=n, context_len=stored + n, block_ids=block_ids,
                                                key_positions=key_positions, scores=prompt_scores))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -324,7 +317,6 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
-        scored_rows: list[int] = []
         if batch.num_decodes:
             decodes = batch.seqs[: batch.num_decodes]
             width = max(len(s.kv.block_ids) for s in decodes)
@@ -332,14 +324,12 @@ class ModelRunner:
                                                      for s in decodes], dtype=torch.int32, device=self.device)
             meta.decode_context_lens = torch.tensor([s.kv.num_tokens + 1 for s in decodes],
                                                     dtype=torch.int32, device=self.device)
-            scored = self._decode_scores(decodes, width * self.cache.block_size)
-            if scored is not None:
-                meta.decode_scores, scored_rows = scored
+            meta.decode_scores = self._decode_scores(decodes)
         inputs = StepInputs(batch.moves, batch.head_moves, batch.swap_out, batch.swap_in, batch.copies,
                             torch.tensor(input_ids, dtype=torch.long, device=self.device),
                             torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows,
                             prompt_logit_rows)
-        return inputs, sampled_seqs, prompt_seqs, scored_rows
+        return inputs, sampled_seqs, prompt_seqs
 
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, dict[int, Logprob]]]:
         """Row p of the chunk predicts prompt token p + 1: the logprobs of each prompt token it sees."""

@@ -11,8 +11,8 @@ back to the front of its queue, so the oldest requests always make progress: not
 
 The scheduler owns the block manager and every sequence's place in the queues; after the model
 ran, `postprocess` records the computed tokens, drops what a request's KV policy no longer
-keeps, appends the sampled ones, forks n > 1 samples and beams, and finishes and frees what
-stops.
+keeps (by the scores the step added to its state), appends the sampled ones, forks n > 1
+samples and beams, and finishes and frees what stops.
 """
 from __future__ import annotations
 
@@ -158,11 +158,23 @@ class Scheduler:
             budget -= n
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: single-token rows first, order kept
+        for seq, n in chosen:
+            self._record_stored(seq, n)
         head_moves = torch.cat(list(self._head_moves.values())) if self._head_moves else None
         self._head_moves = {}
         return ScheduledBatch(seqs=[s for s, _ in chosen], num_new_tokens=[n for _, n in chosen],
                               num_decodes=sum(1 for _, n in chosen if n == 1), moves=bm.take_moves(),
                               head_moves=head_moves, copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in)
+
+    def _record_stored(self, seq: Sequence, n: int) -> None:
+        """A scored KV policy's state gains the step's n tokens now, so that the step's
+        attention adds their scores to it in place."""
+        policy = seq.request.kv_policy
+        if policy is None or not policy.scored:
+            return
+        if seq.kv_scores is None:
+            seq.kv_scores = HeadScores(*self.kv_heads)
+        seq.kv_scores.append(seq.num_computed_tokens, n)
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -200,12 +212,6 @@ class Scheduler:
         for seq, n, result in zip(batch.seqs, batch.num_new_tokens, results):
             self.block_manager.commit(seq.kv, n, seq.num_computed_tokens, seq.token_ids)
             request = seq.request
-            if request.kv_policy is not None and request.kv_policy.scored:
-                if seq.kv_scores is None:
-                    seq.kv_scores = HeadScores(*self.kv_heads)
-                seq.kv_scores.append(seq.num_computed_tokens, n)
-                if result.kv_scores is not None:
-                    seq.kv_scores.add(result.kv_scores)
             seq.num_computed_tokens += n
             if request.kv_policy is not None:
                 self._compress(seq)
@@ -245,9 +251,11 @@ class Scheduler:
         the block manager frees the blocks, and the moves of each head's kept tokens into its
         holes wait for the next step (read in the slots the tokens were in, written in the
         blocks the map holds now)."""
-        state, kv, bs = seq.kv_scores, seq.kv, self.block_manager.block_size
-        dropped = seq.request.kv_policy.heads_to_drop(state.positions, state.scores, seq.num_computed_tokens - 1,
-                                                      seq.num_prompt_tokens)
+        state, kv, bs, policy = seq.kv_scores, seq.kv, self.block_manager.block_size, seq.request.kv_policy
+        last = seq.num_computed_tokens - 1
+        newest = policy.single_drop_newest(state.num_tokens, last)
+        found = state.lowest if newest is not None and state.lowest_newest == newest else None
+        dropped = policy.heads_to_drop(state.positions, state.scores, last, seq.num_prompt_tokens, found)
         if dropped is None:
             return
         moves, written = state.plan_drop(dropped)

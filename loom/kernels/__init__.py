@@ -99,8 +99,8 @@ def _register_fakes() -> None:
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::paged_decode_attention_scored")
-    def _(q, key_cache, value_cache, block_tables, context_lens, scale, scores, score_temps, row_keys, layer,
-          key_positions):
+    def _(q, key_cache, value_cache, block_tables, context_lens, scale, score_rows, score_temps, row_keys, newest,
+          layer):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::attention_row_scores")

@@ -8,10 +8,11 @@
 // each row (Helix merges partial attention outputs with it).
 //
 // KV-policy scores: a scored decode call also adds, for each row the policy scores, the row's
-// attention over each stored token (its query heads summed) into a scores buffer, either the
-// plain softmax (H2O) or Keyformer's softmax((x + g) / tau) with Gumbel noise g drawn from a
-// counter-based hash, so a token's noise depends only on (row key, layer, kv head, position).
-// `attention_row_scores` does the same for prompt rows from their logits.
+// attention over each stored token (its query heads summed) to that sequence's accumulated
+// scores, in place: either the plain softmax (H2O) or Keyformer's softmax((x + g) / tau) with
+// Gumbel noise g drawn from a counter-based hash, so a token's noise depends only on (row key,
+// layer, kv head, position). `attention_row_scores` does the same for prompt rows from their
+// logits.
 //
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/library.h>
@@ -227,15 +228,39 @@ inline float gumbel(const float* table, uint32_t key, int32_t position) {
   return table[mix32(key ^ static_cast<uint32_t>(position) * 0x85ebca6bu) >> (32 - kGumbelBits)];
 }
 
+// tmp[t] = (x[t] + g[t]) / temp over t in [0, n), g the noise keyed by `key` and each token's
+// position (positions[t], or t when null). In 16 lanes where AVX-512 is: the hash is integer
+// arithmetic and the table a gather, the same values as the scalar loop's.
+inline void noisy_logits(const float* x, int64_t n, float inv_temp, uint32_t key, const int32_t* positions,
+                         float* tmp) {
+  const float* table = gumbel_table();
+  int64_t t = 0;
+#ifdef __AVX512F__
+  const __m512i vkey = _mm512_set1_epi32(static_cast<int32_t>(key)), golden = _mm512_set1_epi32(0x85ebca6b);
+  const __m512i mult = _mm512_set1_epi32(0x45d9f3b), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                                  12, 13, 14, 15);
+  const __m512 scale = _mm512_set1_ps(inv_temp);
+  for (; t + 16 <= n; t += 16) {
+    const __m512i pos = positions ? _mm512_loadu_si512(positions + t)
+                                  : _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t)), iota);
+    __m512i h = _mm512_xor_si512(vkey, _mm512_mullo_epi32(pos, golden));
+    h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mult);
+    h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mult);
+    h = _mm512_xor_si512(_mm512_srli_epi32(h, 16), h);
+    const __m512 g = _mm512_i32gather_ps(_mm512_srli_epi32(h, 32 - kGumbelBits), table, 4);
+    _mm512_storeu_ps(tmp + t, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(x + t), g), scale));
+  }
+#endif
+  for (; t < n; ++t) tmp[t] = (x[t] + gumbel(table, key, positions ? positions[t] : static_cast<int32_t>(t))) * inv_temp;
+}
+
 // out[t] += softmax(x / temp)[t] over x[0:n]; with noise, softmax((x + g) / temp), g keyed by `key` and
 // each token's position (positions[t], or t when null). `tmp` holds n floats.
 inline void add_row_scores(const float* x, int64_t n, float temp, bool noise, uint32_t key, const int32_t* positions,
                            float* tmp, float* out) {
   const float inv_temp = 1.f / temp;
   if (noise) {
-    const float* table = gumbel_table();
-    for (int64_t t = 0; t < n; ++t)
-      tmp[t] = (x[t] + gumbel(table, key, positions ? positions[t] : static_cast<int32_t>(t))) * inv_temp;
+    noisy_logits(x, n, inv_temp, key, positions, tmp);
   } else {
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) tmp[t] = x[t] * inv_temp;
@@ -245,16 +270,29 @@ inline void add_row_scores(const float* x, int64_t n, float temp, bool noise, ui
   for (int64_t t = 0; t < n; ++t) out[t] += tmp[t] * inv;
 }
 
-// What a scored decode call needs (out null for a plain one): per row, temps[b] (0: not scored)
-// and row_keys[b] (-1: no noise); the layer; key_positions [B, KVH, width] int32 (null: token t
-// is at position t); out [B, KVH, width] float, written for each scored row's context.
+// The index of the lowest of s[0:n] among the entries whose position p[t] is at most `newest`
+// (the first of equal ones), or -1 when there is none: a vectorized min, then its first index.
+inline int64_t lowest_at_most(const float* s, const int32_t* p, int64_t n, int64_t newest) {
+  float low = std::numeric_limits<float>::max();
+#pragma omp simd reduction(min : low)
+  for (int64_t t = 0; t < n; ++t) low = std::min(low, p[t] <= newest ? s[t] : std::numeric_limits<float>::max());
+  for (int64_t t = 0; t < n; ++t)
+    if (p[t] <= newest && s[t] == low) return t;
+  return -1;
+}
+
+// What a scored decode call needs (rows null for a plain one): per row, temps[b] (0: not scored),
+// row_keys[b] (-1: no noise), rows[b] = (scores address, positions address, lowest address,
+// capacity, layers): the row's sequence's state, float32 scores and int32 positions each laid out
+// [layers, KVH, capacity] by stored index, int64 lowest [layers, KVH]; newest[b] (-1: none): once
+// the step's scores are in, lowest gets each head's lowest-scored entry at a position at most
+// newest[b] (the token a decode step's drop takes); and the layer.
 struct DecodeScores {
   const float* temps = nullptr;
   const int64_t* row_keys = nullptr;
+  const int64_t* rows = nullptr;
+  const int64_t* newest = nullptr;
   int64_t layer = 0;
-  const int32_t* key_positions = nullptr;
-  float* out = nullptr;
-  int64_t width = 0;
 };
 
 // `fast`: the AVX-512 loops above serve this block size, head size and element type.
@@ -279,10 +317,20 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
         continue;
       }
       scores.resize(group * num_blocks * BS);
-      const bool score_row = scored.out && scored.temps[b] > 0.f;
+      // A scored row's state in this layer and kv head; H2O's scores (temperature 1, no noise)
+      // are the attention's own probabilities, Keyformer's a softmax of their own.
+      const bool score_row = scored.rows && scored.temps[b] > 0.f;
+      const bool own_softmax = score_row && (scored.row_keys[b] >= 0 || scored.temps[b] != 1.f);
+      float* row_scores = nullptr;
+      const int32_t* row_positions = nullptr;
+      int64_t* row_lowest = nullptr;
       if (score_row) {
-        tmp.resize(ctx);
-        std::fill_n(scored.out + (b * num_kv_heads + kvh) * scored.width, ctx, 0.f);
+        const int64_t* state = scored.rows + 5 * b;
+        const int64_t head = scored.layer * num_kv_heads + kvh;
+        row_scores = reinterpret_cast<float*>(state[0]) + head * state[3];
+        row_positions = reinterpret_cast<const int32_t*>(state[1]) + head * state[3];
+        row_lowest = reinterpret_cast<int64_t*>(state[2]) + head;
+        if (own_softmax) tmp.resize(ctx);
       }
       for (int64_t g = 0; g < group; ++g) {
         const T* qrow = q + (b * num_heads + kvh * group + g) * head_dim;
@@ -312,14 +360,16 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         float* s = scores.data() + g * num_blocks * BS;
-        if (score_row) {
-          const int64_t at = (b * num_kv_heads + kvh) * scored.width;
+        if (own_softmax)
           add_row_scores(s, ctx, scored.temps[b], scored.row_keys[b] >= 0,
-                         head_noise_key(scored.row_keys[b], scored.layer, kvh),
-                         scored.key_positions ? scored.key_positions + at : nullptr, tmp.data(), scored.out + at);
-        }
+                         head_noise_key(scored.row_keys[b], scored.layer, kvh), row_positions, tmp.data(), row_scores);
         const float m = row_max(s, ctx);
         const float sum = exp_in_place(s, ctx, m);
+        if (score_row && !own_softmax) {
+          const float inv = 1.f / sum;
+#pragma omp simd
+          for (int64_t t = 0; t < ctx; ++t) row_scores[t] += s[t] * inv;
+        }
         int64_t d0 = 0;
 #ifdef __AVX512F__
         if constexpr (fast) {
@@ -340,6 +390,8 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
         for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[i] * inv);
         lse[b * num_heads + h] = m + std::log(sum);
       }
+      if (score_row && scored.newest[b] >= 0)
+        *row_lowest = lowest_at_most(row_scores, row_positions, ctx, scored.newest[b]);
     }
   });
 }
@@ -592,7 +644,7 @@ void with_block_size(int64_t block_size, const char* op, F&& run) {
 
 }  // namespace
 
-// Checks and runs a decode call, scored when `scored.out` is set.
+// Checks and runs a decode call, scored when `scored.rows` is set.
 static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                               const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
                                               double scale, const DecodeScores& scored) {
@@ -631,32 +683,35 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
   return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, DecodeScores{});
 }
 
-// paged_decode_attention that also writes each scored row's attention over its stored tokens to
-// scores[b, :, :context_lens[b]] ([B, KVH, width] float32, width >= every context length; other
-// entries untouched): score_temps [B] float32 (0: row
-// not scored), row_keys [B] int64 (-1: no noise), key_positions [B, KVH, width] int32 or None.
+// paged_decode_attention that also adds each scored row's attention over its stored tokens to
+// its sequence's accumulated scores, in place: score_temps [B] float32 (0: row not scored),
+// row_keys [B] int64 (-1: no noise), score_rows [B, 5] int64, each scored row's state as
+// (scores address, positions address, lowest address, capacity, layers): float32 scores and int32
+// positions laid out [layers, KVH, capacity] by stored index, capacity at least the row's
+// context, and int64 lowest [layers, KVH] (a sequence's states differ in size, so they cannot be
+// one tensor of a compiled step: they are addressed); newest [B] int64: see DecodeScores.
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_scored(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, double scale, at::Tensor scores, const at::Tensor& score_temps_in,
-    const at::Tensor& row_keys_in, int64_t layer, const std::optional<at::Tensor>& key_positions_in) {
-  const int64_t batch = q.size(0), num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.dim() == 3 &&
-                  scores.size(0) == batch && scores.size(1) == num_kv_heads, "scores must be [B, KVH, width] float32");
+    const at::Tensor& context_lens_in, double scale, const at::Tensor& score_rows_in, const at::Tensor& score_temps_in,
+    const at::Tensor& row_keys_in, const at::Tensor& newest_in, int64_t layer) {
+  const int64_t batch = q.size(0);
   const at::Tensor temps = score_temps_in.contiguous(), keys = row_keys_in.contiguous();
+  const at::Tensor rows = score_rows_in.contiguous(), context_lens = context_lens_in.contiguous();
+  const at::Tensor newest = newest_in.contiguous();
+  TORCH_CHECK(newest.scalar_type() == at::kLong && newest.numel() == batch, "newest must be [B] int64");
   TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == batch, "score_temps must be [B] float32");
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.numel() == batch, "row_keys must be [B] int64");
-  const int64_t width = scores.size(2);
-  TORCH_CHECK(context_lens.numel() == batch && context_lens.max().item<int32_t>() <= width,
-              "scores are narrower than a context");
-  at::Tensor key_positions;
-  if (key_positions_in.has_value()) {
-    key_positions = key_positions_in->contiguous();
-    TORCH_CHECK(key_positions.scalar_type() == at::kInt && key_positions.sizes() == scores.sizes(),
-                "key_positions must be int32 shaped like scores");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == batch && rows.size(1) == 5,
+              "score_rows must be [B, 5] int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.numel() == batch, "context_lens must be [B] int32");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    if (temps.data_ptr<float>()[b] <= 0.f) continue;
+    TORCH_CHECK(r[5 * b] != 0 && r[5 * b + 1] != 0 && r[5 * b + 2] != 0, "a scored row without a state");
+    TORCH_CHECK(r[5 * b + 3] >= context_lens.data_ptr<int32_t>()[b], "a scored row's state is shorter than its context");
+    TORCH_CHECK(layer >= 0 && layer < r[5 * b + 4], "a scored row's state has no such layer");
   }
-  DecodeScores scored{temps.data_ptr<float>(), keys.data_ptr<int64_t>(), layer,
-                      key_positions.defined() ? key_positions.data_ptr<int32_t>() : nullptr,
-                      scores.data_ptr<float>(), width};
+  DecodeScores scored{temps.data_ptr<float>(), keys.data_ptr<int64_t>(), r, newest.data_ptr<int64_t>(), layer};
   return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, scored);
 }
 
@@ -774,9 +829,13 @@ template <typename E>  // E: an integer type of the element's size (elements are
 void move_head_slots_impl(at::TensorList keys, at::TensorList values, const int64_t* mv, int64_t m) {
   const int64_t kvh = keys[0].size(1), head_dim = keys[0].size(2), bs = keys[0].size(3);
   std::vector<E> staged(2 * m * head_dim);
-  for (int pass = 0; pass < 2; ++pass) {
+  // Moves of different layers never touch the same memory: threads take layers, each in the
+  // moves' order (a later write into a slot must land last).
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  for (int pass = 0; pass < 2; ++pass) at::parallel_for(0, layers, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = 0; i < m; ++i) {
       const int64_t* r = mv + 4 * i;
+      if (r[0] < first || r[0] >= last) continue;
       const int64_t slot = pass == 0 ? r[2] : r[3], head_block = (slot / bs) * kvh + r[1];
       E* k = static_cast<E*>(keys[r[0]].data_ptr()) + head_block * head_dim * bs + slot % bs;  // stride bs
       E* v = static_cast<E*>(values[r[0]].data_ptr()) + (head_block * bs + slot % bs) * head_dim;
@@ -790,7 +849,7 @@ void move_head_slots_impl(at::TensorList keys, at::TensorList values, const int6
         std::copy(vbuf, vbuf + head_dim, v);
       }
     }
-  }
+  });
 }
 
 // Copies single (layer, kv head, slot) entries of the pool, src -> dst, reading every source
@@ -833,17 +892,7 @@ at::Tensor lowest_unprotected(const at::Tensor& scores_in, const at::Tensor& pos
   const int32_t* p = p_rows.data_ptr<int32_t>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {  // a vectorized min, then its first index
-      const float* sr = s + r * lds;
-      const int32_t* pr = p + r * ldp;
-      float low = std::numeric_limits<float>::max();
-#pragma omp simd reduction(min : low)
-      for (int64_t t = 0; t < n; ++t) low = std::min(low, pr[t] <= newest ? sr[t] : std::numeric_limits<float>::max());
-      int64_t best = -1;
-      for (int64_t t = 0; t < n && best < 0; ++t)
-        if (pr[t] <= newest && sr[t] == low) best = t;
-      o[r] = best;
-    }
+    for (int64_t r = begin; r < end; ++r) o[r] = lowest_at_most(s + r * lds, p + r * ldp, n, newest);
   });
   return out;
 }
@@ -854,8 +903,8 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_ids, "
         "int context_len, Tensor? key_positions, float scale, Tensor? query_positions=None) -> (Tensor, Tensor)");
   m.def("paged_decode_attention_scored(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor(a!) scores, Tensor score_temps, Tensor row_keys, int layer, "
-        "Tensor? key_positions) -> (Tensor, Tensor)");
+        "Tensor context_lens, float scale, Tensor score_rows, Tensor score_temps, Tensor row_keys, Tensor newest, "
+        "int layer) -> (Tensor, Tensor)");
   m.def("attention_row_scores(Tensor logits, int num_kv_heads, Tensor visible, Tensor score_temps, "
         "Tensor row_keys, int layer) -> Tensor");
   m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");

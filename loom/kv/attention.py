@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.kv.cache import KVCache
-from loom.kv.scores import reference_row_scores
+from loom.kv.scores import HeadScores, lowest_unprotected, reference_row_scores
 
 SCORE_ROWS = 256  # prompt queries whose logits are held at once while scoring
 
@@ -27,7 +27,7 @@ SCORE_ROWS = 256  # prompt queries whose logits are held at once while scoring
 class PromptScores:
     """A prefill chunk's rows score their keys: row i with temperature temps[i] (0: not at all)
     and noise key row_keys[i] (-1: no noise); each layer adds its [KVH, context_len] scores to
-    out[layer]."""
+    out[layer], the sequence's accumulated scores."""
     temps: torch.Tensor      # [num_tokens] float32
     row_keys: torch.Tensor   # [num_tokens] int64
     out: torch.Tensor        # [L, KVH, context_len] float32
@@ -35,13 +35,16 @@ class PromptScores:
 
 @dataclass
 class DecodeScores:
-    """Decode rows score their keys, as PromptScores, into out[layer] [num_decode, KVH, width]
-    (stored index order; a tensor per layer, since a compiled step mutates whole inputs
-    reliably, not views of one); key_positions[layer] (the same shape) key their noise."""
-    temps: torch.Tensor          # [num_decode] float32
-    row_keys: torch.Tensor       # [num_decode] int64
-    out: list[torch.Tensor]      # L x [num_decode, KVH, width] float32
-    key_positions: torch.Tensor  # [L, num_decode, KVH, width] int32
+    """Decode rows score their keys, as PromptScores, adding to their sequences' accumulated
+    scores in place: the kernel finds each scored row's state at its address (`rows`, from
+    `HeadScores.address`; zeros for a row not scored), the reference path in `states`. Where
+    newest[b] >= 0, the row's state also gets each head's lowest-scored entry at a position at
+    most newest[b] (`HeadScores.lowest`: what a decode step's single drop takes)."""
+    temps: torch.Tensor               # [num_decode] float32
+    row_keys: torch.Tensor            # [num_decode] int64
+    rows: torch.Tensor                # [num_decode, 5] int64
+    newest: torch.Tensor              # [num_decode] int64
+    states: list[HeadScores | None]   # never read by a compiled step
 
 
 @dataclass
@@ -83,8 +86,7 @@ class AttentionMetadata:
         rows = [(self.slot_mapping, 0), (self.decode_block_tables, 0), (self.decode_context_lens, 0)]
         widths = [(self.decode_block_tables, 1)]
         if (s := self.decode_scores) is not None:
-            rows += [(s.temps, 0), (s.row_keys, 0), (s.key_positions, 1), *((out, 0) for out in s.out)]
-            widths += [(s.key_positions, 3), *((out, 2) for out in s.out)]
+            rows += [(s.temps, 0), (s.row_keys, 0), (s.rows, 0), (s.newest, 0)]
         if (x := self.row_exchange) is not None:
             rows += [(x.send_index, 1), (x.back_index, 0)]
         return rows, widths
@@ -105,7 +107,7 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_ta
     if backend == "cpp":
         return torch.ops.loom.paged_decode_attention_scored(
             q.contiguous(), cache.keys[layer], cache.values[layer], block_tables, context_lens, scale,
-            scores.out[layer], scores.temps, scores.row_keys, layer, scores.key_positions[layer])
+            scores.rows, scores.temps, scores.row_keys, scores.newest, layer)
     return _decode_reference(q, cache, layer, block_tables, context_lens, scale, scores), None
 
 
@@ -120,9 +122,12 @@ def _decode_reference(q: torch.Tensor, cache: KVCache, layer: int, block_tables:
         out[b] = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale,
                                                 enable_gqa=k.shape[0] != q.shape[1]).squeeze(1)
         if scores is not None and scores.temps[b] > 0:
-            scores.out[layer][b, :, :n] = reference_row_scores(
+            state = scores.states[b]
+            state.scores[layer, :, :n] += reference_row_scores(
                 _logits(q[b:b + 1], k, scale), k.shape[0], torch.tensor([n], device=q.device), scores.temps[b:b + 1],
-                scores.row_keys[b:b + 1], layer, scores.key_positions[layer, b, :, :n])
+                scores.row_keys[b:b + 1], layer, state.positions[layer, :, :n])
+            if (newest := int(scores.newest[b])) >= 0:
+                state.lowest[layer] = lowest_unprotected(state.scores[layer], state.positions[layer], newest)
     return out
 
 

@@ -129,19 +129,28 @@ class KVPolicy:
         first = NUM_SINKS if self.name == "streaming" else 0
         return heapq.nsmallest(excess, (i for i, p in enumerate(positions) if p >= first), key=positions.__getitem__)
 
+    def single_drop_newest(self, num_stored: int, last_position: int) -> int | None:
+        """When the stored tokens exceed an h2o / keyformer budget by one (a decode step's drop,
+        the common case), the newest position the dropped token may have (older tokens than the
+        recent window); None for any other drop or none."""
+        if self.name in ("h2o", "keyformer") and num_stored - self.budget == 1:
+            return last_position - self.recent
+        return None
+
     def heads_to_drop(self, positions: torch.Tensor, scores: torch.Tensor, last_position: int,
-                      num_prompt_tokens: int) -> torch.Tensor | None:
+                      num_prompt_tokens: int, lowest: torch.Tensor | None = None) -> torch.Tensor | None:
         """Scored policies: [L, KVH, k] stored indices each layer and kv head drops (the same
         count k in all), given each stored token's position and accumulated score [L, KVH, n];
-        None when nothing is over the budget."""
+        None when nothing is over the budget. `lowest`: a single drop's answer already found
+        (the decode kernel finds it with the scores)."""
+        if (newest := self.single_drop_newest(positions.shape[-1], last_position)) is not None:
+            return lowest if lowest is not None else lowest_unprotected(scores, positions, newest)
         budget = self.budget
         if self.name == "snapkv":  # the prompt's window and every generated token stay
             budget += max(0, last_position + 1 - num_prompt_tokens)
         excess = positions.shape[-1] - budget
         if excess <= 0:
             return None
-        if excess == 1 and self.name != "snapkv":  # a decode step's drop, the common case
-            return lowest_unprotected(scores, positions, last_position - self.recent)
         if self.name == "snapkv":
             protected = positions >= num_prompt_tokens - self.recent
             # Pooled along positions: the prompt is compressed once, while stored order is position order.

@@ -70,12 +70,18 @@ def lowest_unprotected(scores: torch.Tensor, positions: torch.Tensor, newest: in
 
 class HeadScores:
     """Per layer and kv head, the position and accumulated score of each stored token of one
-    sequence (kept in step with its slot map's stored count)."""
+    sequence. The scheduler appends a step's tokens when it schedules them; the step's attention
+    adds their scores in place (decode rows in the kernel, through `address`; prompt rows into
+    `scores`); the scheduler then drops from it."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, capacity: int = 64) -> None:
         self._positions = torch.zeros(num_layers, num_kv_heads, capacity, dtype=torch.int32)
         self._scores = torch.zeros(num_layers, num_kv_heads, capacity)
         self.num_tokens = 0
+        # Each head's lowest-scored entry at a position <= lowest_newest, as a decode step's
+        # attention found it with its scores ([L, KVH, 1]); lowest_newest None: not found yet.
+        self.lowest = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long)
+        self.lowest_newest: int | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -96,14 +102,19 @@ class HeadScores:
                                                                 dtype=torch.int32)
         self._scores[:, :, self.num_tokens:n] = 0
         self.num_tokens = n
+        self.lowest_newest = None
 
-    def add(self, step_scores: torch.Tensor) -> None:
-        """Adds a step's scores [L, KVH, m] to the first m stored tokens."""
-        self._scores[:, :, :step_scores.shape[-1]] += step_scores.to(self._scores.device)
+    def address(self) -> list[int]:
+        """Where the decode kernel finds and adds to this state: (scores address, positions
+        address, lowest address, capacity, layers), the first two buffers [layers, KVH, capacity],
+        all contiguous. Valid until the next `append` (which may grow them)."""
+        return [self._scores.data_ptr(), self._positions.data_ptr(), self.lowest.data_ptr(), self._scores.shape[-1],
+                self._scores.shape[0]]
 
     def clone(self) -> HeadScores:
         other = HeadScores.__new__(HeadScores)
         other._positions, other._scores, other.num_tokens = self._positions.clone(), self._scores.clone(), self.num_tokens
+        other.lowest, other.lowest_newest = self.lowest.clone(), self.lowest_newest
         return other
 
     def plan_drop(self, dropped: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
@@ -130,3 +141,4 @@ class HeadScores:
         self._positions[l, h, dst] = self._positions[l, h, src]
         self._scores[l, h, dst] = self._scores[l, h, src]
         self.num_tokens = kept
+        self.lowest_newest = None

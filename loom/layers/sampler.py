@@ -44,7 +44,6 @@ class SeqStepOutput:
     sample: SampleResult | None = None    # None while the sequence is mid-prompt
     # (position, {token: Logprob}) for the prompt tokens this step scored
     prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
-    kv_scores: torch.Tensor | None = None  # [L, KVH, stored] scores this step added, for a scored KV policy
 
 
 class Sampler:
