@@ -67,6 +67,21 @@ def test_saved_graphs_serve_engines_of_the_same_model_only(tmp_path, monkeypatch
         assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+def test_saved_graphs_of_a_shorter_context_do_not_serve_a_longer_one(hf_models, tmp_path, monkeypatch):
+    """The rotary tables' length follows max_model_len and is part of a saved graph's key: an
+    engine of a longer context compiles its own graphs rather than loading ones that index
+    shorter tables (positions past their end would abort the process), and matches eager."""
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")
+    model_dir, _ = hf_models("llama_gqa")
+    run(model_dir, False, dtype="float32", max_model_len=64)
+    prompts, params = PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # to position 99
+    llm = LLM(str(model_dir), enforce_eager=False, max_num_seqs=4, dtype="float32", max_model_len=128)
+    assert llm.engine.runner.decode_graphs.num_compiled == 2
+    eager = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=128)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] ==
+            [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)])
+
+
 def test_decode_graphs_compile_at_load_not_at_the_first_request(hf_models, tmp_path, monkeypatch):
     """Loading compiles the batch-1 graph and the one for larger batches, and one more from each
     batch at which a linear layer's plan switches kernel (here at 3); requests of any batch size

@@ -55,10 +55,12 @@ def _source_digest() -> str:
 
 
 def _attributes(module: torch.nn.Module) -> str:
-    """A module's plain attributes (scales, epsilons, plans, backends) as a trace reads them;
+    """A module's plain attributes (scales, epsilons, plans, backends) as a trace reads them,
+    tensors (rotary tables, whose length is the engine's max_model_len) by shape and dtype;
     objects whose repr is only an address carry nothing a key could use."""
     skip = {"_parameters", "_buffers", "_modules", "training"}
-    items = [(k, repr(v)) for k, v in vars(module).items() if k not in skip and not isinstance(v, torch.Tensor)]
+    items = [(k, f"tensor{tuple(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else repr(v))
+             for k, v in vars(module).items() if k not in skip]
     return ";".join(f"{k}={r}" for k, r in sorted(items) if " at 0x" not in r)
 
 
