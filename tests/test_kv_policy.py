@@ -206,15 +206,16 @@ def test_parallel_samples_and_beams_stay_within_the_bound(gqa, policy):
 
 
 def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
-    """The bench's own bookkeeping on a tiny model: every case decodes, compressed sequences hold
-    less KV, and the same memory runs more of them at once (its timings are not checked)."""
+    """The bench's own bookkeeping on a tiny model: every case decodes in each round, compressed
+    sequences hold less KV, and the same memory runs more of them at once (its timings are not
+    checked)."""
     import json
 
     from loom.cli import main
 
     model_dir, _ = gqa
     main(["bench", "kv-speed", "--model", str(model_dir), "--dtype", "float32", "--batch", "2", "--prompt-len", "64",
-          "--output-len", "16", "--capacity-requests", "6", "--out-dir", str(tmp_path)])
+          "--output-len", "16", "--capacity-requests", "6", "--rounds", "2", "--out-dir", str(tmp_path)])
     report = json.loads((tmp_path / "kv_speed.json").read_text())
     decode, capacity = report["decode"], report["capacity"]
     assert [(d["policy"], d["budget"]) for d in decode] == [(c["policy"], c["budget"]) for c in capacity] == [
@@ -223,7 +224,7 @@ def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
     assert decode[0]["kv_bytes_per_seq"] == 80 * per_slot  # 64 + 16 tokens in five blocks of 16
     assert decode[2]["kv_bytes_per_seq"] == 16 * per_slot  # the 16 kept, between steps
     assert decode[8]["kv_bytes_per_seq"] == 16 * per_slot  # keyformer's 16 too (per head, the same count)
-    assert all(d["decode_tok_per_s"] > 0 for d in decode)
+    assert all(d["decode_tok_per_s"] > 0 and len(d["rounds_ms_per_step"]) == 2 for d in decode)
     assert [s["policy"] for s in report["scoring_only"]] == ["h2o", "keyformer"]
     assert all(s["kv_bytes_per_seq"] == decode[0]["kv_bytes_per_seq"] for s in report["scoring_only"])  # no drop
     assert capacity[0]["largest_batch"] == 2 and capacity[2]["largest_batch"] > 2

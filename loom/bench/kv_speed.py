@@ -6,6 +6,7 @@ random draw), so that prompts of 2048 tokens and their outputs fit."""
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -78,6 +79,14 @@ def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, b
     decoded = batch * output_len - generated
     return {"policy": policy, "budget": budget, "batch": batch, "decode_tok_per_s": decoded / elapsed,
             "ms_per_step": 1000 * elapsed / steps, "kv_bytes_per_seq": slots_per_seq * bytes_per_slot(llm)}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One case's runs as one: the median step time (and its throughput), every round's kept."""
+    return {**runs[0], "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
+            "decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in runs),
+            "rounds_ms_per_step": [r["ms_per_step"] for r in runs],
+            "kv_bytes_per_seq": max(r["kv_bytes_per_seq"] for r in runs)}
 
 
 def run_capacity(model_dir: Path, dtype: str, policy: str, budget: float | None, kv_cache_memory: int,

@@ -172,7 +172,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kv = sub.add_parser("kv-speed", help="KV compression: decode speed, KV memory per sequence, largest batch")
     common(kv, "the 134M random reference Llama, 4096 positions")
     kv.add_argument("--dtype", default="bfloat16")
-    sizes(kv, batch=8, prompt_len=2048, output_len=256, capacity_requests=32)
+    sizes(kv, batch=8, prompt_len=2048, output_len=256, capacity_requests=32, rounds=1)
     kv.set_defaults(func=_kv_speed)
 
     kq = sub.add_parser("kv-quality", help="KV compression: ROUGE against the full cache and needles, per budget")
@@ -433,23 +433,27 @@ def _kv_speed(args: argparse.Namespace) -> None:
     model = Path(args.model) if args.model else kv_speed.long_context_model()
     vocab = ModelConfig.from_dir(model).vocab_size
     shape = dict(prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=vocab)
-    decode, capacity = [], []
-    for policy, budget in kv_speed.CASES:
-        decode.append(kv_speed.run_decode(model, args.dtype, policy, budget, args.batch, **shape))
-        d = decode[-1]
-        print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
-              f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence", flush=True)
-    # What scoring costs alone: the scored policies with a budget nothing reaches score every
-    # step and never drop, against the full cache's step time.
-    scoring = []
-    for policy in kv_speed.SCORED:
-        s = kv_speed.run_decode(model, args.dtype, policy, kv_speed.NEVER_REACHED, args.batch, **shape)
+    # Every decode case once a round, rounds in turn, so that the machine's drift hits all alike;
+    # the scored policies with a budget nothing reaches (every step scored, nothing dropped) give
+    # what scoring alone costs against the full cache.
+    cases = [*kv_speed.CASES, *((policy, kv_speed.NEVER_REACHED) for policy in kv_speed.SCORED)]
+    rounds: list[list[dict]] = [[] for _ in cases]
+    for _ in range(args.rounds):
+        for (policy, budget), runs in zip(cases, rounds):
+            runs.append(kv_speed.run_decode(model, args.dtype, policy, budget, args.batch, **shape))
+            d = runs[-1]
+            print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
+                  f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence",
+                  flush=True)
+    medians = [kv_speed.median_run(runs) for runs in rounds]
+    decode, scoring = medians[:len(kv_speed.CASES)], medians[len(kv_speed.CASES):]
+    for s in scoring:
         s["overhead_vs_full"] = s["ms_per_step"] / decode[0]["ms_per_step"] - 1
-        scoring.append(s)
-        print(f"[{policy} scoring only] {s['ms_per_step']:.1f} ms/step, {s['overhead_vs_full']:+.1%} against full",
+        print(f"[{kv_speed.label(s)}] {s['ms_per_step']:.1f} ms/step, {s['overhead_vs_full']:+.1%} against full",
               flush=True)
     # The fixed memory: what the full cache needs for the decode run's batch.
     memory = round(decode[0]["kv_bytes_per_seq"] * args.batch)
+    capacity = []
     for policy, budget in kv_speed.CASES:
         capacity.append(kv_speed.run_capacity(model, args.dtype, policy, budget, memory, args.capacity_requests,
                                               **shape))
