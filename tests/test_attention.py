@@ -215,5 +215,5 @@ def test_attention_benchmark_runs_in_a_fresh_process():
             "print(sorted(run_prefill(8, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     decode, prefill = out.splitlines()
-    assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode
+    assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode and "'scored_keyformer_ms'" in decode
     assert "'paged_GFLOPs'" in prefill and "'contiguous_sdpa_ms'" in prefill

@@ -2,7 +2,7 @@
 `scaled_dot_product_attention` on a contiguous cache of the same shapes: a decode step of a
 batch over every layer of a model (timed per layer; one layer's cache would mostly sit in the
 CPU's last-level cache, which a real step's do not), and one layer's prompt chunk on top of a
-cached prefix."""
+cached prefix. The decode step also scored for H2O and Keyformer: the scores' own cost."""
 from __future__ import annotations
 
 import statistics
@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from loom.kernels import load_kernels
-from loom.kv.attention import PrefillSegment, paged_decode_attention, prefill_attention
+from loom.kv.attention import DecodeScores, PrefillSegment, paged_decode_attention, prefill_attention
 from loom.kv.cache import KVCache
+from loom.kv.scores import HeadScores, row_key
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -26,14 +27,14 @@ def _time(fn, repeats: int) -> list[float]:
     return times
 
 
-def _interleaved(first, second, rounds: int, repeats: int) -> tuple[float, float]:
-    """Medians over rounds (each the median of `repeats` calls), the two alternating so that
-    machine noise hits both alike."""
-    a, b = [], []
+def _interleaved(*fns, rounds: int, repeats: int) -> list[float]:
+    """Each function's median over rounds (each the median of `repeats` calls), the functions
+    taking turns so that machine noise hits them alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        a.append(statistics.median(_time(first, repeats)))
-        b.append(statistics.median(_time(second, repeats)))
-    return statistics.median(a), statistics.median(b)
+        for fn, t in zip(fns, times):
+            t.append(statistics.median(_time(fn, repeats)))
+    return [statistics.median(t) for t in times]
 
 
 def _pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -47,10 +48,24 @@ def _pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: in
     return cache, torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32)
 
 
+def _scores(policy: str, batch: int, context: int, layers: int, kv_heads: int) -> DecodeScores:
+    """Every row scoring its `context` keys as the policy's decode steps do, into a state of its
+    own, and finding each head's drop among its older half."""
+    states = [HeadScores(layers, kv_heads, capacity=context) for _ in range(batch)]
+    for state in states:
+        state.append(0, context)
+    keyformer = policy == "keyformer"
+    return DecodeScores(temps=torch.full((batch,), 1.5 if keyformer else 1.0),
+                        row_keys=torch.tensor([row_key(0, b, context) if keyformer else -1 for b in range(batch)]),
+                        rows=torch.tensor([s.address() for s in states]), newest=torch.full((batch,), context // 2),
+                        states=states)
+
+
 def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
         layers: int = 1, rounds: int = 7, repeats: int = 10) -> dict:
     """A decode step over `layers` layers: `batch` queries, each over its own `context` cached
-    tokens in every layer; times per layer."""
+    tokens in every layer; times per layer. Also the same step scoring its keys for H2O and
+    for Keyformer (what a scored KV policy adds to the attention)."""
     load_kernels()
     g = torch.Generator().manual_seed(0)
     cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers)
@@ -60,19 +75,22 @@ def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
                       torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)) for _ in range(layers)]
     scale = head_dim ** -0.5
 
-    def paged():
+    def paged(scores: DecodeScores | None = None):
         for layer in range(layers):
-            paged_decode_attention(q, cache, layer, tables, lens, scale, "cpp")
+            paged_decode_attention(q, cache, layer, tables, lens, scale, "cpp", scores)
 
     def contiguous():
         for k, v in contiguous_kv:
             F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
 
-    p, c = (t / layers for t in _interleaved(paged, contiguous, rounds, repeats))
+    h2o, keyformer = (_scores(policy, batch, context, layers, kv_heads) for policy in ("h2o", "keyformer"))
+    p, c, ph, pk = (t / layers for t in _interleaved(paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer),
+                                                     rounds=rounds, repeats=repeats))
     kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
     return {"dtype": str(dtype).removeprefix("torch."), "layers": layers, "paged_ms": p * 1e3,
             "contiguous_sdpa_ms": c * 1e3, "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9,
-            "contiguous_GBps": kv_bytes / c / 1e9}
+            "contiguous_GBps": kv_bytes / c / 1e9, "scored_h2o_ms": ph * 1e3, "scored_keyformer_ms": pk * 1e3,
+            "scoring_overhead": {"h2o": ph / p - 1, "keyformer": pk / p - 1}}
 
 
 def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -96,7 +114,7 @@ def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: 
         F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible, scale=scale,
                                        enable_gqa=kv_heads != heads)
 
-    p, c = _interleaved(paged, contiguous, rounds, repeats)
+    p, c = _interleaved(paged, contiguous, rounds=rounds, repeats=repeats)
     # q.k and p.v over the keys each query sees: 2 x 2 x head_dim flops per (query head, key)
     pairs = tokens * (context - tokens) + tokens * (tokens + 1) // 2
     flops = 4 * heads * head_dim * pairs

@@ -373,6 +373,10 @@ def _attention(args: argparse.Namespace) -> None:
         for r in rows:
             print(f"[{case} {r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
                   f"ratio {r['ratio_paged_over_contiguous']:.3f}")
+    for r in decode:
+        print(f"[decode {r['dtype']} scored] h2o {r['scored_h2o_ms']:.3f} ms "
+              f"({r['scoring_overhead']['h2o']:+.1%}), keyformer {r['scored_keyformer_ms']:.3f} ms "
+              f"({r['scoring_overhead']['keyformer']:+.1%})")
     path = write_report("paged_attention", {"batch": args.batch, "context": args.context, "decode_layers": cfg.num_layers,
                                             "prefill_tokens": args.prefill_tokens, "heads": cfg.num_heads,
                                             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
