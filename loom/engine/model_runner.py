@@ -183,12 +183,9 @@ class ModelRunner:
         temps, keys, newest, addresses = [0.0] * n, [-1] * n, [-1] * n, [[0] * 5] * n
         states: list[HeadScores | None] = [None] * n
         for b, (row_temps, row_keys) in rows:
-            seq = decodes[b]
-            state = states[b] = seq.kv_scores
+            state = states[b] = decodes[b].kv_scores
             temps[b], keys[b], addresses[b] = row_temps[0], row_keys[0], state.address()
-            # A drop of one token per head follows this step: the kernel finds it with the scores.
-            state.lowest_newest = seq.request.kv_policy.single_drop_newest(state.num_tokens, seq.num_computed_tokens)
-            if state.lowest_newest is not None:
+            if state.lowest_newest is not None:  # a drop of one token per head follows this step
                 newest[b] = state.lowest_newest
         return DecodeScores(temps=torch.tensor(temps, device=self.device),
                             row_keys=torch.tensor(keys, device=self.device),

@@ -168,13 +168,17 @@ class Scheduler:
 
     def _record_stored(self, seq: Sequence, n: int) -> None:
         """A scored KV policy's state gains the step's n tokens now, so that the step's
-        attention adds their scores to it in place."""
+        attention adds their scores to it in place; a single-token row whose step ends one token
+        over budget also has the kernel find its drop."""
         policy = seq.request.kv_policy
         if policy is None or not policy.scored:
             return
         if seq.kv_scores is None:
             seq.kv_scores = HeadScores(*self.kv_heads)
-        seq.kv_scores.append(seq.num_computed_tokens, n)
+        state = seq.kv_scores
+        state.append(seq.num_computed_tokens, n)
+        if n == 1:
+            state.lowest_newest = policy.single_drop_newest(state.num_tokens, seq.num_computed_tokens)
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -251,11 +255,9 @@ class Scheduler:
         the block manager frees the blocks, and the moves of each head's kept tokens into its
         holes wait for the next step (read in the slots the tokens were in, written in the
         blocks the map holds now)."""
-        state, kv, bs, policy = seq.kv_scores, seq.kv, self.block_manager.block_size, seq.request.kv_policy
-        last = seq.num_computed_tokens - 1
-        newest = policy.single_drop_newest(state.num_tokens, last)
-        found = state.lowest if newest is not None and state.lowest_newest == newest else None
-        dropped = policy.heads_to_drop(state.positions, state.scores, last, seq.num_prompt_tokens, found)
+        state, kv, bs = seq.kv_scores, seq.kv, self.block_manager.block_size
+        dropped = seq.request.kv_policy.heads_to_drop(state.positions, state.scores, seq.num_computed_tokens - 1,
+                                                      seq.num_prompt_tokens, state.found)
         if dropped is None:
             return
         moves, written = state.plan_drop(dropped)

@@ -138,13 +138,15 @@ class KVPolicy:
         return None
 
     def heads_to_drop(self, positions: torch.Tensor, scores: torch.Tensor, last_position: int,
-                      num_prompt_tokens: int, lowest: torch.Tensor | None = None) -> torch.Tensor | None:
+                      num_prompt_tokens: int, found: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Scored policies: [L, KVH, k] stored indices each layer and kv head drops (the same
         count k in all), given each stored token's position and accumulated score [L, KVH, n];
-        None when nothing is over the budget. `lowest`: a single drop's answer already found
-        (the decode kernel finds it with the scores)."""
+        None when nothing is over the budget. `found`: (newest, lowest) of a single drop the
+        decode kernel already found with the scores (`HeadScores.found`), used when it is this one."""
         if (newest := self.single_drop_newest(positions.shape[-1], last_position)) is not None:
-            return lowest if lowest is not None else lowest_unprotected(scores, positions, newest)
+            if found is not None and found[0] == newest:
+                return found[1]
+            return lowest_unprotected(scores, positions, newest)
         budget = self.budget
         if self.name == "snapkv":  # the prompt's window and every generated token stay
             budget += max(0, last_position + 1 - num_prompt_tokens)

@@ -78,8 +78,8 @@ class HeadScores:
         self._positions = torch.zeros(num_layers, num_kv_heads, capacity, dtype=torch.int32)
         self._scores = torch.zeros(num_layers, num_kv_heads, capacity)
         self.num_tokens = 0
-        # Each head's lowest-scored entry at a position <= lowest_newest, as a decode step's
-        # attention found it with its scores ([L, KVH, 1]); lowest_newest None: not found yet.
+        # Each head's lowest-scored entry at a position <= lowest_newest ([L, KVH, 1]), which the
+        # next decode step's attention finds with its scores; lowest_newest None: none asked.
         self.lowest = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long)
         self.lowest_newest: int | None = None
 
@@ -103,6 +103,11 @@ class HeadScores:
         self._scores[:, :, self.num_tokens:n] = 0
         self.num_tokens = n
         self.lowest_newest = None
+
+    @property
+    def found(self) -> tuple[int, torch.Tensor] | None:
+        """(newest, lowest) once a decode step was asked for its single drop, else None."""
+        return None if self.lowest_newest is None else (self.lowest_newest, self.lowest)
 
     def address(self) -> list[int]:
         """Where the decode kernel finds and adds to this state: (scores address, positions
