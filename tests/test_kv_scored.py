@@ -14,7 +14,8 @@ from loom import LLM, SamplingParams
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.kv.policy import SNAPKV_POOL, SNAPKV_WINDOW, KVPolicy
-from loom.kv.scores import HeadScores, gumbel_reference, lowest_unprotected, reference_row_scores, row_key
+from loom.kv.scores import (HeadScores, drop_head_entries, gumbel_reference, lowest_unprotected, reference_row_scores,
+                             row_key)
 
 BLOCK = 8
 
@@ -73,11 +74,12 @@ def test_head_scores_fill_each_heads_holes_from_its_tail():
     state = HeadScores(1, 2, capacity=2)
     state.append(0, 6)
     state.scores.copy_(torch.arange(12.).view(1, 2, 6))
-    moves, written = state.plan_drop(torch.tensor([[[1, 5], [3, 4]]]))
-    state.apply(moves, 4)
+    dropped = torch.tensor([[[1, 5], [3, 4]]])
+    assert state.written_by(dropped) == {1, 3}
+    moves = state.drop(dropped, [7, 2], [9, 2], block_size=4)  # index i in slot ids[i // 4] * 4 + i % 4
     assert state.positions.tolist() == [[[0, 4, 2, 3], [0, 1, 2, 5]]]
     assert state.scores.tolist() == [[[0., 4, 2, 3], [6, 7, 8, 11]]]
-    assert moves.tolist() == [[0, 0, 4, 1], [0, 1, 5, 3]] and written == {1, 3}
+    assert moves.tolist() == [[0, 0, 8, 37], [0, 1, 9, 39]]
     copy = state.clone()
     copy.append(6, 1)
     assert state.num_tokens == 4 and copy.positions[0, 0].tolist() == [0, 4, 2, 3, 6]
@@ -315,24 +317,50 @@ def test_keyformer_key_set_keeps_changing_after_the_prompt(gqa, monkeypatch):
     assert count_key_set_changes(model_dir) == (0, 0)
 
 
-@pytest.mark.parametrize("num_dropped", [1, 3])
-def test_plan_drop_moves_equal_a_plain_compaction(num_dropped):
-    """Whatever holes each head has, its kept tokens end up in its first slots, in some order:
-    checked against the kept set itself, for the single-drop fast path and the general one."""
+@pytest.mark.parametrize("num_dropped", [1, 3, 15])
+def test_drop_moves_equal_a_plain_compaction(num_dropped):
+    """Whatever holes each head has, its kept tokens end up in its first entries, in some order,
+    and each move's slots are the entries' own: checked against the kept set itself, for the
+    PyTorch path and Loom's op, which also agree move for move."""
+    load_kernels()
     g = torch.Generator().manual_seed(num_dropped)
     state = HeadScores(3, 4)
     state.append(100, 20)
     state.scores.copy_(torch.rand(3, 4, 20, generator=g))
     dropped = torch.rand(3, 4, 20, generator=g).argsort(-1)[..., :num_dropped]
-    before = state.positions.clone(), state.scores.clone()
-    moves, written = state.plan_drop(dropped)
-    state.apply(moves, 20 - num_dropped)
-    for l in range(3):
-        for h in range(4):
-            keep = sorted(set(range(20)) - set(dropped[l, h].tolist()))
-            assert sorted(state.positions[l, h].tolist()) == sorted(before[0][l, h, keep].tolist())
-            assert sorted(state.scores[l, h].tolist()) == sorted(before[1][l, h, keep].tolist())
-    assert written == set(moves[:, 3].tolist()) and all(d < 20 - num_dropped <= s for s, d in moves[:, 2:].tolist())
+    old_ids, new_ids = torch.tensor([4, 9]), torch.tensor([6, 1])
+    kept = 20 - num_dropped
+
+    def index(block_ids: torch.Tensor, slot: int) -> int:
+        return block_ids.tolist().index(slot // 16) * 16 + slot % 16
+
+    results = []
+    for op in (drop_head_entries, torch.ops.loom.drop_head_entries):
+        positions, scores = state._positions.clone(), state._scores.clone()
+        moves = op(positions, scores, dropped, 20, old_ids, new_ids, 16)
+        results.append((moves, positions, scores))
+        for l in range(3):
+            for h in range(4):
+                keep = sorted(set(range(20)) - set(dropped[l, h].tolist()))
+                assert sorted(positions[l, h, :kept].tolist()) == sorted(state.positions[l, h, keep].tolist())
+                assert sorted(scores[l, h, :kept].tolist()) == sorted(state.scores[l, h, keep].tolist())
+        for l, h, src, dst in moves.tolist():  # the entry read from the source slot is the one now at its index
+            assert positions[l, h, index(new_ids, dst)] == state.positions[l, h, index(old_ids, src)]
+    (ref, *_), (fast, *_) = results
+    assert torch.equal(ref, fast) and all(torch.equal(a, b) for a, b in zip(results[0][1:], results[1][1:]))
+    assert state.written_by(dropped) == {i for i in dropped.flatten().tolist() if i < kept}
+
+
+def test_drop_op_rejects_a_bad_drop_changing_nothing():
+    load_kernels()
+    state = HeadScores(1, 2)
+    state.append(0, 6)
+    before = state._positions.clone()
+    for dropped in ([[[1, 1], [2, 3]]], [[[1, 6], [2, 3]]]):  # repeated; outside the stored
+        with pytest.raises(RuntimeError, match="repeated or outside"):
+            torch.ops.loom.drop_head_entries(state._positions, state._scores, torch.tensor(dropped), 6,
+                                             torch.tensor([0]), torch.tensor([0]), 16)
+    assert torch.equal(state._positions, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -260,16 +260,9 @@ class Scheduler:
                                                       seq.num_prompt_tokens, state.found)
         if dropped is None:
             return
-        moves, written = state.plan_drop(dropped)
-        kept = state.num_tokens - dropped.shape[-1]
-        old_ids = torch.tensor(kv.block_ids)
-        if not self.block_manager.drop_per_head(kv, written, kept):
-            return
-        state.apply(moves, kept)
-        new_ids = torch.tensor(kv.block_ids, dtype=torch.long)
-        layer, head, src, dst = moves.unbind(1)
-        self._head_moves[seq] = torch.stack([layer, head, old_ids[src // bs] * bs + src % bs,
-                                             new_ids[dst // bs] * bs + dst % bs], dim=1)
+        kept, old_ids = state.num_tokens - dropped.shape[-1], list(kv.block_ids)
+        if self.block_manager.drop_per_head(kv, state.written_by(dropped), kept):
+            self._head_moves[seq] = state.drop(dropped, old_ids, kv.block_ids, bs)
 
     def _append_samples(self, seq: Sequence, sample: SampleResult) -> None:
         """The first token continues `seq`; each further one (n > 1, at the end of the

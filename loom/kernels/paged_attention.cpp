@@ -897,6 +897,66 @@ at::Tensor lowest_unprotected(const at::Tensor& scores_in, const at::Tensor& pos
   return out;
 }
 
+// A scored policy's drop of the same count k of stored entries in each (layer, kv head) of one
+// sequence's state: positions [L, KVH, cap] int32 and scores [L, KVH, cap] float32 (its first
+// num_tokens entries stored), dropped [L, KVH, k] int64 distinct indices per head. In each head
+// the entries kept beyond the new count n - k fill its holes below it, both in ascending order,
+// in place; returns the same moves for the KV pool, [M, 4] int64 rows of (layer, kv head, source
+// slot through old_block_ids, destination slot through new_block_ids), head by head, holes
+// ascending.
+at::Tensor drop_head_entries(at::Tensor& positions, at::Tensor& scores, const at::Tensor& dropped_in,
+                             int64_t num_tokens, const at::Tensor& old_block_ids_in,
+                             const at::Tensor& new_block_ids_in, int64_t block_size) {
+  TORCH_CHECK(positions.scalar_type() == at::kInt && scores.scalar_type() == at::kFloat && positions.dim() == 3 &&
+                  positions.sizes() == scores.sizes() && positions.is_contiguous() && scores.is_contiguous(),
+              "positions int32 and scores float32, [L, KVH, capacity] and contiguous");
+  const at::Tensor dropped = dropped_in.contiguous();
+  const at::Tensor old_ids = old_block_ids_in.to(at::kLong).contiguous();
+  const at::Tensor new_ids = new_block_ids_in.to(at::kLong).contiguous();
+  const int64_t heads = positions.size(0) * positions.size(1), kvh = positions.size(1), cap = positions.size(2);
+  TORCH_CHECK(dropped.scalar_type() == at::kLong && dropped.dim() == 3 && dropped.size(0) == positions.size(0) &&
+                  dropped.size(1) == kvh, "dropped must be [L, KVH, k] int64");
+  const int64_t k = dropped.size(2), kept = num_tokens - k;
+  TORCH_CHECK(0 <= kept && num_tokens <= cap, "drop of ", k, " from ", num_tokens, " stored of capacity ", cap);
+  TORCH_CHECK(block_size > 0 && old_ids.size(0) * block_size >= num_tokens && new_ids.size(0) * block_size >= kept,
+              "block tables too short for ", num_tokens, " stored and ", kept, " kept");
+  const int64_t* drop = dropped.data_ptr<int64_t>();
+  const int64_t* old_b = old_ids.data_ptr<int64_t>();
+  const int64_t* new_b = new_ids.data_ptr<int64_t>();
+  int32_t* pos = positions.data_ptr<int32_t>();
+  float* sc = scores.data_ptr<float>();
+  // Each head's indices sorted: its holes are those below `kept`, and the entries that fill
+  // them are the ones of [kept, num_tokens) not dropped. All checked before anything moves.
+  std::vector<int64_t> sorted(drop, drop + heads * k);
+  for (int64_t h = 0; h < heads; ++h) {
+    int64_t* d = sorted.data() + h * k;
+    std::sort(d, d + k);
+    for (int64_t j = 0; j < k; ++j)
+      TORCH_CHECK(0 <= d[j] && d[j] < num_tokens && (j == 0 || d[j] != d[j - 1]), "dropped index ", d[j],
+                  " repeated or outside [0, ", num_tokens, ")");
+  }
+  std::vector<int64_t> moves;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t* d = sorted.data() + h * k;
+    const int64_t* holes_end = std::lower_bound(d, d + k, kept);
+    const int64_t* skip = holes_end;  // the next dropped entry at or past `kept`
+    int32_t* p = pos + h * cap;
+    float* s = sc + h * cap;
+    int64_t fill = kept;
+    for (const int64_t* hole = d; hole < holes_end; ++hole, ++fill) {
+      for (; skip < d + k && *skip == fill; ++skip) ++fill;
+      p[*hole] = p[fill];
+      s[*hole] = s[fill];
+      moves.insert(moves.end(), {h / kvh, h % kvh, old_b[fill / block_size] * block_size + fill % block_size,
+                                 new_b[*hole / block_size] * block_size + *hole % block_size});
+    }
+  }
+  const int64_t m = static_cast<int64_t>(moves.size()) / 4;
+  at::Tensor out = at::empty({m, 4}, dropped.options());
+  std::copy(moves.begin(), moves.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -910,6 +970,8 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");
   m.def("move_head_slots(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor moves) -> ()");
   m.def("lowest_unprotected(Tensor scores, Tensor positions, int newest) -> Tensor");
+  m.def("drop_head_entries(Tensor(a!) positions, Tensor(b!) scores, Tensor dropped, int num_tokens, "
+        "Tensor old_block_ids, Tensor new_block_ids, int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom, CPU, m) {
@@ -920,4 +982,5 @@ TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("gumbel_noise", &gumbel_noise);
   m.impl("move_head_slots", &move_head_slots);
   m.impl("lowest_unprotected", &lowest_unprotected);
+  m.impl("drop_head_entries", &drop_head_entries);
 }

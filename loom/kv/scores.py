@@ -122,28 +122,41 @@ class HeadScores:
         other.lowest, other.lowest_newest = self.lowest.clone(), self.lowest_newest
         return other
 
-    def plan_drop(self, dropped: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
-        """For stored indices to drop [L, KVH, k] (the same count in each head): in each head the
-        last kept tokens move into the holes below the new count. Returns the moves [M, 4] as
-        (layer, kv head, from index, to index) and the indices written in any head; `apply`
-        makes them here, the KV cache in the slots."""
-        n, k = self.num_tokens, dropped.shape[-1]
-        kept = n - k
-        if k == 1:  # a decode step's drop: the last token fills each head's hole (if not itself dropped)
-            holes = dropped[..., 0]
-            layer, head = (holes != kept).nonzero(as_tuple=True)
-            dst = holes[layer, head]
-            return torch.stack([layer, head, torch.full_like(dst, kept), dst], 1), set(dst.tolist())
-        gone = torch.zeros(self._positions.shape[:2] + (n,), dtype=torch.bool)
-        gone.scatter_(-1, dropped.long(), True)
-        holes = gone[:, :, :kept].nonzero()        # (layer, head, index), row-major: per head ascending
-        fills = (~gone[:, :, kept:]).nonzero()     # as many per head as that head has holes
-        moves = torch.stack([holes[:, 0], holes[:, 1], fills[:, 2] + kept, holes[:, 2]], dim=1)
-        return moves, set(holes[:, 2].unique().tolist())
+    def written_by(self, dropped: torch.Tensor) -> set[int]:
+        """The stored indices that a drop of `dropped` [L, KVH, k] overwrites in some head: its
+        holes below the new count (`drop` fills them)."""
+        kept = self.num_tokens - dropped.shape[-1]
+        return {i for i in dropped.flatten().tolist() if i < kept}
 
-    def apply(self, moves: torch.Tensor, kept: int) -> None:
-        l, h, src, dst = moves.unbind(1)
-        self._positions[l, h, dst] = self._positions[l, h, src]
-        self._scores[l, h, dst] = self._scores[l, h, src]
-        self.num_tokens = kept
+    def drop(self, dropped: torch.Tensor, old_block_ids: list[int], new_block_ids: list[int],
+             block_size: int) -> torch.Tensor:
+        """Drops the stored indices `dropped` [L, KVH, k] (the same count in each head): in each
+        head the entries kept beyond the new count fill its holes below it, both in ascending
+        order. Returns the same moves for the KV pool, [M, 4] rows of (layer, kv head, source
+        slot through `old_block_ids`, destination slot through `new_block_ids`): Loom's C++ op
+        when the kernels are built (one call), else the same in PyTorch."""
+        op = torch.ops.loom.drop_head_entries if hasattr(torch.ops.loom, "drop_head_entries") else drop_head_entries
+        moves = op(self._positions, self._scores, dropped, self.num_tokens,
+                   torch.tensor(old_block_ids, dtype=torch.long), torch.tensor(new_block_ids, dtype=torch.long),
+                   block_size)
+        self.num_tokens -= dropped.shape[-1]
         self.lowest_newest = None
+        return moves
+
+
+def drop_head_entries(positions: torch.Tensor, scores: torch.Tensor, dropped: torch.Tensor, num_tokens: int,
+                      old_block_ids: torch.Tensor, new_block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`HeadScores.drop` in PyTorch, as Loom's op of the same name does it: positions and scores
+    [L, KVH, capacity] with `num_tokens` stored, `dropped` [L, KVH, k]; in each head its holes
+    below the new count, ascending, each filled in place by the next kept entry beyond it.
+    Returns [M, 4] rows of (layer, kv head, source slot, destination slot), head by head."""
+    kept = num_tokens - dropped.shape[-1]
+    gone = torch.zeros(dropped.shape[:2] + (num_tokens,), dtype=torch.bool)
+    gone.scatter_(-1, dropped.long(), True)
+    holes = gone[:, :, :kept].nonzero()        # (layer, head, index), row-major: per head ascending
+    fills = (~gone[:, :, kept:]).nonzero()     # as many per head as that head has holes
+    layer, head, src, dst = holes[:, 0], holes[:, 1], fills[:, 2] + kept, holes[:, 2]
+    positions[layer, head, dst] = positions[layer, head, src]
+    scores[layer, head, dst] = scores[layer, head, src]
+    return torch.stack([layer, head, old_block_ids[src // block_size] * block_size + src % block_size,
+                        new_block_ids[dst // block_size] * block_size + dst % block_size], dim=1)
