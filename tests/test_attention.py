@@ -217,3 +217,26 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     decode, prefill = out.splitlines()
     assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode and "'scored_keyformer_ms'" in decode
     assert "'paged_GFLOPs'" in prefill and "'contiguous_sdpa_ms'" in prefill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kernel_equals_the_pytorch_write(dtype):
+    """KVCache.write by Loom's op (eager steps) and by indexing: the same pools, for k and v
+    that are views of one fused projection, slots in any order across blocks; a slot outside
+    the pool is refused."""
+    load_kernels()
+    g = torch.Generator().manual_seed(0)
+    caches = [KVCache(2, 5, 3, 16, 8, dtype, "cpu", kernels=use_op) for use_op in (True, False)]
+    for c in caches:
+        for pool in c.keys + c.values:
+            pool.zero_()
+    fused = torch.randn(11, 2 * 3 * 16, generator=g).to(dtype)
+    k, v = (t.view(11, 3, 16) for t in fused.split(3 * 16, dim=1))
+    slots = torch.randperm(40, generator=g)[:11]
+    for c in caches:
+        c.write(1, k, v, slots)
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0].keys[1][slots[0] // 8, :, :, slots[0] % 8], k[0])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        caches[0].write(0, k[:1], v[:1], torch.tensor([40]))

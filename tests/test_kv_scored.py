@@ -370,7 +370,7 @@ def test_move_kernel_equals_the_pytorch_moves(dtype):
     head move reads a slot a pair overwrites)."""
     load_kernels()
     g = torch.Generator().manual_seed(3)
-    caches = [KVCache(3, 6, 2, 16, 8, dtype, "cpu", move_kernel=kernel) for kernel in (True, False)]
+    caches = [KVCache(3, 6, 2, 16, 8, dtype, "cpu", kernels=kernel) for kernel in (True, False)]
     for t in range(6):
         fill = [torch.randn(caches[0].keys[0].shape, generator=g).to(dtype) for _ in caches[0].keys]
         for c in caches:

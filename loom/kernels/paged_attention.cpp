@@ -957,6 +957,60 @@ at::Tensor drop_head_entries(at::Tensor& positions, at::Tensor& scores, const at
   return out;
 }
 
+// Stores a step's new keys and values k, v [T, KVH, D] at their slots [T] (int64) of one layer's
+// pools in the layouts above. Threads take runs of tokens; within
+// a block the transposed keys of consecutive tokens share cache lines, so a run writes them together.
+template <typename E>  // E: an integer type of the element's size (elements are only copied)
+void write_kv_impl(E* kc, E* vc, const E* k, const E* v, const int64_t* slots, int64_t tokens, int64_t kvh,
+                   int64_t head_dim, int64_t bs, int64_t ldk, int64_t ldv) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      const int64_t block = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        const E* krow = k + t * ldk + h * head_dim;
+        E* kdst = kc + ((block * kvh + h) * head_dim) * bs + off;
+        for (int64_t d = 0; d < head_dim; ++d) kdst[d * bs] = krow[d];
+        std::copy(v + t * ldv + h * head_dim, v + t * ldv + (h + 1) * head_dim,
+                  vc + ((block * kvh + h) * bs + off) * head_dim);
+      }
+    }
+  });
+}
+
+void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k_in, const at::Tensor& v_in,
+              const at::Tensor& slots_in) {
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(), "caches must be contiguous [blocks, KVH, D, BS] and [blocks, KVH, BS, D]");
+  const int64_t blocks = key_cache.size(0), kvh = key_cache.size(1), head_dim = key_cache.size(2),
+                bs = key_cache.size(3);
+  TORCH_CHECK(k_in.dim() == 3 && k_in.sizes() == v_in.sizes() && k_in.size(1) == kvh && k_in.size(2) == head_dim &&
+                  k_in.scalar_type() == key_cache.scalar_type() && v_in.scalar_type() == value_cache.scalar_type(),
+              "k and v must be [T, KVH, D] of the caches' dtype");
+  // Tokens may be spaced apart (k and v are views of one fused projection); each token's heads contiguous.
+  const at::Tensor k = k_in.stride(2) == 1 && k_in.stride(1) == head_dim ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(2) == 1 && v_in.stride(1) == head_dim ? v_in : v_in.contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0), "one slot per token");
+  const int64_t tokens = k.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(0 <= sl[t] && sl[t] < blocks * bs, "slot ", sl[t], " is outside the pool of ", blocks * bs);
+  switch (key_cache.element_size()) {
+    case 2:
+      write_kv_impl<uint16_t>(static_cast<uint16_t*>(key_cache.data_ptr()), static_cast<uint16_t*>(value_cache.data_ptr()),
+                              static_cast<const uint16_t*>(k.data_ptr()), static_cast<const uint16_t*>(v.data_ptr()),
+                              sl, tokens, kvh, head_dim, bs, k.stride(0), v.stride(0));
+      break;
+    case 4:
+      write_kv_impl<uint32_t>(static_cast<uint32_t*>(key_cache.data_ptr()), static_cast<uint32_t*>(value_cache.data_ptr()),
+                              static_cast<const uint32_t*>(k.data_ptr()), static_cast<const uint32_t*>(v.data_ptr()),
+                              sl, tokens, kvh, head_dim, bs, k.stride(0), v.stride(0));
+      break;
+    default: TORCH_CHECK(false, "write_kv supports 2- and 4-byte elements");
+  }
+}
+
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> (Tensor, Tensor)");
@@ -970,6 +1024,7 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");
   m.def("move_head_slots(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor moves) -> ()");
   m.def("lowest_unprotected(Tensor scores, Tensor positions, int newest) -> Tensor");
+  m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("drop_head_entries(Tensor(a!) positions, Tensor(b!) scores, Tensor dropped, int num_tokens, "
         "Tensor old_block_ids, Tensor new_block_ids, int block_size) -> Tensor");
 }
@@ -983,4 +1038,5 @@ TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("move_head_slots", &move_head_slots);
   m.impl("lowest_unprotected", &lowest_unprotected);
   m.impl("drop_head_entries", &drop_head_entries);
+  m.impl("write_kv", &write_kv);
 }

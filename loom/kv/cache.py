@@ -41,9 +41,9 @@ def kv_cache_blocks(config: EngineConfig, num_kv_heads: int | None = None, kv_sh
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, move_kernel: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kernels: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.move_kernel = move_kernel  # per-head moves by Loom's C++ op (else plain PyTorch)
+        self.kernels = kernels  # eager writes and per-head moves by Loom's C++ ops (else plain PyTorch)
         # torch.empty: pages are touched only as blocks fill; no slot is read before it is written.
         # A tensor per layer (not views of one): compiled steps write them as separate inputs.
         self.keys = [torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
@@ -52,7 +52,12 @@ class KVCache:
                        for _ in range(num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store k, v [tokens, kv_heads, head_dim] at their slots."""
+        """Store k, v [tokens, kv_heads, head_dim] at their slots: eager steps (prefill) by Loom's
+        op, which writes each token's heads in place (advanced indexing spent about 5% of a long
+        prompt's prefill); a compiled step as indexing, which its compiler fuses."""
+        if self.kernels and not torch.compiler.is_compiling():
+            torch.ops.loom.write_kv(self.keys[layer], self.values[layer], k, v, slot_mapping)
+            return
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         self.keys[layer][blocks, :, :, offsets] = k
         self.values[layer][blocks, :, offsets, :] = v
@@ -81,7 +86,7 @@ class KVCache:
         after a pair's into the same slot."""
         if head_moves is None or not head_moves.numel():
             self.move_slots(pairs)
-        elif self.move_kernel:
+        elif self.kernels:
             num_layers, num_kv_heads = len(self.keys), self.keys[0].shape[1]
             every = torch.cartesian_prod(torch.arange(num_layers), torch.arange(num_kv_heads))
             expanded = [torch.cat([every, torch.tensor([[s, d]]).expand(len(every), 2)], 1) for s, d in pairs]
