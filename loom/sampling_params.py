@@ -4,7 +4,10 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from loom.kv.policy import check_kv_policy
 
@@ -24,8 +27,11 @@ _FIELD_KINDS = {
     "repetition_penalty": "real", "presence_penalty": "real", "frequency_penalty": "real", "seed": "int?",
     "max_tokens": "int", "min_tokens": "int", "stop": "strs", "stop_token_ids": "ints",
     "include_stop_str_in_output": "bool", "ignore_eos": "bool", "logprobs": "int?", "prompt_logprobs": "int?",
-    "skip_special_tokens": "bool", "output_kind": "kind",
+    "skip_special_tokens": "bool", "output_kind": "kind", "logits_processors": "callables?",
 }
+
+# (the tokens generated so far, the row's logits [V] after penalties) -> the logits to sample from
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -53,6 +59,10 @@ class SamplingParams:
     kv_policy: str | None = None       # "full", "window", "streaming", "h2o", "keyformer", "snapkv"
     kv_budget: int | float | None = None  # tokens kept: a fraction of the prompt (float) or a count (int)
     kv_recent_ratio: float | None = None  # of the budget, the most recent tokens h2o and keyformer always keep
+    # Python API only: applied in order to each step's logits before the token is chosen (not to
+    # beam search's proposals); logprobs stay the raw model's, so a processor that forces a token
+    # gives that token's logprob under the model (teacher forcing)
+    logits_processors: list[LogitsProcessor] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,7 +112,9 @@ class SamplingParams:
                  "strs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
                           "a list of strings"),
                  "ints": (lambda v: isinstance(v, (list, tuple)) and all(is_int(x) for x in v), "a list of ints"),
-                 "kind": (lambda v: isinstance(v, RequestOutputKind), "a RequestOutputKind")}
+                 "kind": (lambda v: isinstance(v, RequestOutputKind), "a RequestOutputKind"),
+                 "callables?": (lambda v: v is None or isinstance(v, (list, tuple)) and all(callable(f) for f in v),
+                                "a list of callables or None")}
         for name, kind in _FIELD_KINDS.items():
             ok, what = kinds[kind]
             value = getattr(self, name)

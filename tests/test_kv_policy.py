@@ -237,8 +237,11 @@ def test_kv_quality_bench_scores_every_policy_and_budget(tmp_path, capsys):
     import json
 
     from conftest import SHARED
+    from loom.bench import kv_quality
     from loom.bench.kv_quality import BUDGETS
+    from loom.bench.quality import split_corpus
     from loom.cli import main
+    from loom.cli.generate import DEFAULT_MODEL
 
     corpus = SHARED / "corpora" / "tinyshakespeare.txt"
     if not corpus.is_file():
@@ -254,4 +257,14 @@ def test_kv_quality_bench_scores_every_policy_and_budget(tmp_path, capsys):
     assert all(r["rougeL"] < 1 for r in smallest)
     # 10% of 320 tokens keeps little beyond the question itself: most needles are lost.
     assert min(r["needle_accuracy"] for r in smallest) < rows[0]["needle_accuracy"]
+    assert max(r["heldout_loss"] for r in smallest) > rows[0]["heldout_loss"]
     assert (tmp_path / "kv_quality.png").is_file() and "wrote" in capsys.readouterr().out
+    # The full cache's loss of the continuations, teacher-forced through decode steps, is the
+    # one their prompt logprobs give when they follow the prompt as part of it.
+    llm = LLM(str(DEFAULT_MODEL), dtype="float32")
+    passages = kv_quality.passages(llm, split_corpus(corpus)[1], 6, 160, 24)
+    outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"] + p["continuation"]} for p in passages],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    logprobs = [o.prompt_logprobs[160 + i][t].logprob for p, o in zip(passages, outs)
+                for i, t in enumerate(p["continuation"])]
+    assert rows[0]["heldout_loss"] == pytest.approx(-sum(logprobs) / len(logprobs), abs=1e-4)

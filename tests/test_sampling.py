@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from loom import LLM, SamplingParams
+from loom.bench.kv_quality import teacher_forcing
 from loom.detokenizer import IncrementalDetokenizer, find_stop
 from loom.layers.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
 from loom.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
@@ -122,6 +123,30 @@ def test_logprobs_match_transformers(hf_models):
         assert abs(entry[PROMPT[pos]].logprob - ref[pos - 1, PROMPT[pos]].item()) < 1e-4
         assert entry[PROMPT[pos]].rank == int((ref[pos - 1] > ref[pos - 1, PROMPT[pos]]).sum()) + 1
         assert len(entry) >= 3
+
+
+def test_a_logits_processor_forcing_tokens_gives_their_prompt_logprobs(hf_models):
+    """Teacher forcing through decode: a processor that leaves only the next token of a given
+    continuation makes the engine generate exactly it, with logprobs (the raw model's) equal to
+    those of the same tokens scored as part of the prompt."""
+    model_dir, _ = hf_models("llama_gqa")
+    llm = LLM(str(model_dir))
+    continuation = [7, 7, 200, 3, 45, 45, 1, 90]
+    seen, forcing = [], teacher_forcing(continuation)
+
+    def force(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen.append(list(output_token_ids))
+        return forcing(output_token_ids, logits)
+
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=len(continuation), ignore_eos=True, logprobs=0, logits_processors=[force]),
+        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == continuation and seen == [continuation[:i] for i in range(len(continuation))]
+    scored = llm.generate({"prompt_token_ids": PROMPT + continuation}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)[0].prompt_logprobs[len(PROMPT):]
+    forced = [lp[t].logprob for lp, t in zip(out.logprobs, continuation)]
+    assert forced == pytest.approx([lp[t].logprob for lp, t in zip(scored, continuation)], abs=1e-4)
+    assert max(forced) < -0.5  # these tokens are not what the model would pick: the forcing did it
 
 
 def test_prompt_logprobs_across_chunks_and_with_prefix_cache(hf_models):
@@ -241,6 +266,7 @@ def test_incremental_detokenizer_holds_back_split_characters(text_model):
     (dict(stop=["a", 3]), "stop: must be a list of strings"),
     (dict(stop_token_ids=[1.0]), "stop_token_ids: must be a list of ints"),
     (dict(logprobs=2.0), "logprobs: must be an int or None"),
+    (dict(logits_processors=[3]), "logits_processors: must be a list of callables"),
 ])
 def test_bad_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

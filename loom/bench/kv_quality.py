@@ -1,11 +1,15 @@
 """KV compression's quality, measured the way Keyformer reports it: greedy generations under a
 compressed cache against the full cache's generation of the same prompt (ROUGE-1/2/L
-F-measures), and needle retrieval in the house model's format, at budgets from 10% to 90% of
-the prompt, for every policy."""
+F-measures), the loss of the text that really follows each prompt, teacher-forced through the
+compressed cache's decode steps (held-out text: the model never trained on it), and needle
+retrieval in the house model's format, at budgets from 10% to 90% of the prompt, for every
+policy."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.needles import character_names, make_needle_sample
@@ -16,13 +20,26 @@ BUDGETS = (0.1, 0.25, 0.5, 0.75, 0.9)
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 
 
-def passages(llm: LLM, text: str, count: int, length: int, seed: int = 0) -> list[dict]:
-    """`count` prompts of `length` tokens (BOS included) cut from `text` at random tokens."""
+def passages(llm: LLM, text: str, count: int, length: int, continuation: int, seed: int = 0) -> list[dict]:
+    """`count` prompts of `length` tokens (BOS included) cut from `text` at random tokens, each
+    with the `continuation` tokens that follow it in the text."""
     tok = llm.get_tokenizer()
     ids, bos = tok.encode(text, add_special_tokens=False), tok.encode("")
     rng = random.Random(seed)
-    starts = [rng.randrange(len(ids) - length) for _ in range(count)]
-    return [{"prompt_token_ids": bos + ids[s:s + length - len(bos)]} for s in starts]
+    cut = length - len(bos)
+    starts = [rng.randrange(len(ids) - cut - continuation) for _ in range(count)]
+    return [{"prompt_token_ids": bos + ids[s:s + cut], "continuation": ids[s + cut:s + cut + continuation]}
+            for s in starts]
+
+
+def teacher_forcing(tokens: list[int]):
+    """A logits processor that leaves only the next of `tokens` to be chosen: decode then
+    follows them, and each step's logprob (the raw model's) is that token's."""
+    def force(generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(logits, float("-inf"))
+        forced[tokens[len(generated)]] = 0
+        return forced
+    return force
 
 
 def rouge(references: list[str], candidates: list[str]) -> dict[str, float]:
@@ -42,25 +59,36 @@ def needles(llm: LLM, train_text: str, heldout_text: str, context: int, count: i
 
 
 def evaluate(llm: LLM, prompts: list[dict], samples: list, max_tokens: int) -> dict:
-    """Greedy generations of `prompts`, and needle accuracy, for every policy and budget."""
+    """For every policy and budget: greedy generations of `prompts` (ROUGE against the full
+    cache's), the mean loss of their continuations (nats per token), and needle accuracy."""
     tok = llm.get_tokenizer()
     answer_len = max(len(tok.encode(s.answer, add_special_tokens=False)) for s in samples) + 1 if samples else 0
+    inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
 
-    def generate(policy: str, budget: float | None) -> tuple[list[str], float | None]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, kv_policy=policy, kv_budget=budget)
-        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    def generate(policy: str, budget: float | None) -> tuple[list[str], float, float | None]:
+        kv = dict(kv_policy=policy, kv_budget=budget)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, **kv)
+        texts = [o.outputs[0].text for o in llm.generate(inputs, params, use_tqdm=False)]
+        forced = [SamplingParams(temperature=0, max_tokens=len(p["continuation"]), ignore_eos=True, logprobs=0,
+                                 logits_processors=[teacher_forcing(p["continuation"])], **kv) for p in prompts]
+        logprobs = [lp[t].logprob for p, o in zip(prompts, llm.generate(inputs, forced, use_tqdm=False))
+                    for lp, t in zip(o.outputs[0].logprobs, p["continuation"])]
+        loss = -sum(logprobs) / len(logprobs)
         if not samples:
-            return texts, None
-        params = SamplingParams(temperature=0, max_tokens=answer_len, kv_policy=policy, kv_budget=budget)
+            return texts, loss, None
+        params = SamplingParams(temperature=0, max_tokens=answer_len, **kv)
         outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
-        return texts, sum(o.outputs[0].text.startswith(s.answer) for s, o in zip(samples, outs)) / len(samples)
+        return texts, loss, sum(o.outputs[0].text.startswith(s.answer) for s, o in zip(samples, outs)) / len(samples)
 
-    full_texts, full_needles = generate("full", None)
-    rows = [{"policy": "full", "budget": 1.0, **rouge(full_texts, full_texts), "needle_accuracy": full_needles}]
+    def row(policy: str, budget: float, texts: list[str], loss: float, accuracy: float | None) -> dict:
+        return {"policy": policy, "budget": budget, **rouge(full_texts, texts), "heldout_loss": loss,
+                "needle_accuracy": accuracy}
+
+    full_texts, full_loss, full_needles = generate("full", None)
+    rows = [row("full", 1.0, full_texts, full_loss, full_needles)]
     for policy in (p for p in KV_POLICIES if p != "full"):
         for budget in BUDGETS:
-            texts, accuracy = generate(policy, budget)
-            rows.append({"policy": policy, "budget": budget, **rouge(full_texts, texts), "needle_accuracy": accuracy})
+            rows.append(row(policy, budget, *generate(policy, budget)))
     return {"rows": rows, "full_generations": full_texts[:4]}
 
 
@@ -85,7 +113,7 @@ def plot(path: Path, title: str, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("rougeL", "ROUGE-L against the full cache")]
+    panels = [("rougeL", "ROUGE-L against the full cache"), ("heldout_loss", "loss of the continuations (nats/token)")]
     if rows[0]["needle_accuracy"] is not None:
         panels.append(("needle_accuracy", "needle accuracy"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
@@ -100,7 +128,8 @@ def plot(path: Path, title: str, rows: list[dict]) -> None:
         ax.axhline(rows[0][key], color="gray", linestyle=":", label="full cache")
         ax.set_xlabel("KV budget (% of the prompt)")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(0, 1.05)
+        if key != "heldout_loss":
+            ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title}\n{cpu_label()}", fontsize=9)
     fig.tight_layout()

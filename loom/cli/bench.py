@@ -405,7 +405,7 @@ def _kv_quality(args: argparse.Namespace) -> None:
         raise SystemExit(f"--corpus: {args.corpus} does not exist")
     train_text, heldout_text = split_corpus(args.corpus)
     llm = LLM(str(model), dtype=args.dtype)
-    prompts = kv_quality.passages(llm, heldout_text, args.prompts, args.prompt_len)
+    prompts = kv_quality.passages(llm, heldout_text, args.prompts, args.prompt_len, args.max_tokens)
     samples = kv_quality.needles(llm, train_text, heldout_text, args.needle_context, args.needles)
     result = kv_quality.evaluate(llm, prompts, samples, args.max_tokens)
     if args.kvpress:
@@ -415,13 +415,14 @@ def _kv_quality(args: argparse.Namespace) -> None:
         if "kvpress_needle_accuracy" in r:
             needle += f" (kvpress {r['kvpress_needle_accuracy']:.2f})"
         print(f"[{r['policy']} {r['budget']:.0%}] ROUGE-1 {r['rouge1']:.3f}, ROUGE-2 {r['rouge2']:.3f}, "
-              f"ROUGE-L {r['rougeL']:.3f}{needle}", flush=True)
+              f"ROUGE-L {r['rougeL']:.3f}, held-out loss {r['heldout_loss']:.3f}{needle}", flush=True)
     path = write_report(report_name("kv_quality", model, DEFAULT_MODEL),
                         {"model": str(model), "dtype": args.dtype, "prompts": args.prompts, "prompt_len": args.prompt_len,
                          "max_tokens": args.max_tokens, "needles": args.needles, "needle_context": args.needle_context,
                          **result}, args.out_dir)
     kv_quality.plot(path.with_suffix(".png"), f"{model.name}: {args.prompts} prompts of {args.prompt_len} tokens, "
-                    f"{args.max_tokens} greedy tokens; {args.needles} needles in {args.needle_context} tokens",
+                    f"{args.max_tokens} greedy (or teacher-forced) tokens; {args.needles} needles in "
+                    f"{args.needle_context} tokens",
                     result["rows"])
     print(f"wrote {path}")
 

@@ -1,7 +1,8 @@
 """Token sampling for a batch of rows, each with its own SamplingParams.
 
 Per row, in vLLM's order: penalties on the raw logits (repetition over prompt and output,
-presence and frequency over the output), EOS/stop ids masked until min_tokens, then greedy
+presence and frequency over the output), EOS/stop ids masked until min_tokens, the request's
+logits processors, then greedy
 argmax, or temperature, top-k, top-p and min-p followed by an exponential race, which draws
 exactly from the masked softmax: argmax(p / E) with E ~ Exp(1) i.i.d. A row with a seed draws
 its noise from its own generator, so its tokens do not depend on its batch mates. Logprobs are
@@ -54,7 +55,7 @@ class Sampler:
         """logits [R, V] float32, one row per SampleRow -> one result per row."""
         needs_logprobs = any(r.params.logprobs is not None or r.num_proposals for r in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if needs_logprobs else None
-        logits = apply_penalties(logits, rows)
+        logits = apply_logits_processors(apply_penalties(logits, rows), rows)
         results = [SampleResult(token_ids=[]) for _ in rows]
         for i, r in enumerate(rows):
             if r.num_proposals:
@@ -107,6 +108,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if r.banned_token_ids:
             logits[i, r.banned_token_ids] = float("-inf")
+    return logits
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    if not any(r.params.logits_processors for r in rows):
+        return logits
+    logits = logits.clone()
+    for i, r in enumerate(rows):
+        for processor in r.params.logits_processors or ():
+            logits[i] = processor(r.output_token_ids, logits[i])
     return logits
 
 
