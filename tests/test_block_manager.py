@@ -196,6 +196,18 @@ def test_usage_counts_shared_blocks_once():
     compute(bm, a, 6)
     b = Seq(list(range(6)), bm.fork(a.kv))
     assert bm.usage([a.kv, b.kv]) == (2 * BS, 6)
+    # A fork that grew past the shared partial block, and one block allocated ahead of its tokens:
+    # every block counted once at its fullest.
+    b.tokens += [6, 7, 8]
+    compute(bm, b, 3)
+    c = seq(range(20, 25))
+    assert bm.allocate(c.kv, 9)
+    bm.commit(c.kv, 5, 0, lambda: c.tokens)
+    held = {i: 0 for m in (a.kv, b.kv, c.kv) for i in m.block_ids}
+    for m in (a.kv, b.kv, c.kv):
+        for i, block_id in enumerate(m.block_ids):
+            held[block_id] = max(held[block_id], min(BS, max(0, m.num_tokens - i * BS)))
+    assert bm.usage([a.kv, b.kv, c.kv]) == (len(held) * BS, sum(held.values())) == (7 * BS, 6 + 3 + 2 + 5)
 
 
 def test_drop_fills_holes_from_the_tail_and_frees_blocks():

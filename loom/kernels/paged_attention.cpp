@@ -958,8 +958,8 @@ at::Tensor drop_head_entries(at::Tensor& positions, at::Tensor& scores, const at
 }
 
 // Stores a step's new keys and values k, v [T, KVH, D] at their slots [T] (int64) of one layer's
-// pools in the layouts above. Threads take runs of tokens; within
-// a block the transposed keys of consecutive tokens share cache lines, so a run writes them together.
+// pools in the layouts above. Threads take runs of tokens: within a block the transposed keys of
+// consecutive tokens share cache lines, so a run writes them together.
 template <typename E>  // E: an integer type of the element's size (elements are only copied)
 void write_kv_impl(E* kc, E* vc, const E* k, const E* v, const int64_t* slots, int64_t tokens, int64_t kvh,
                    int64_t head_dim, int64_t bs, int64_t ldk, int64_t ldv) {

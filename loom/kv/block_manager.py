@@ -352,7 +352,10 @@ class BlockManager:
         blocks counted once."""
         bs, fill = self.block_size, {}
         for m in maps:
-            for i, block_id in enumerate(m.block_ids):
+            full = min(len(m.block_ids), m.num_tokens // bs)
+            fill.update(dict.fromkeys(m.block_ids[:full], bs))  # full blocks in one call: this runs every step
+            for i in range(full, len(m.block_ids)):
+                block_id = m.block_ids[i]
                 fill[block_id] = max(fill.get(block_id, 0), min(bs, max(0, m.num_tokens - i * bs)))
         return len(fill) * bs, sum(fill.values())
 
