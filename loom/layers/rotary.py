@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.layers.fused import fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # fp32 throughout, as the reference implementation computes it, so positions match bit for bit
@@ -38,12 +40,17 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        if not self.rotary_dim:
-            return _rotate(q, cos, sin), _rotate(k, cos, sin)
-        d = self.rotary_dim
-        return tuple(torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1) for x in (q, k))
+        return apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
+
+
+@fused
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].unsqueeze(1)  # [T, 1, D/2]
+    sin = sin_table[positions].unsqueeze(1)
+    if not rotary_dim:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return tuple(torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1) for x in (q, k))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

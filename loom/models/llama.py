@@ -7,11 +7,11 @@ the loader through `packed_params`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.kv.attention import AttentionMetadata, PagedAttention
 from loom.kv.cache import KVCache
+from loom.layers.activation import silu_and_mul
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.config import ModelConfig
@@ -45,8 +45,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,35 @@
+"""Elementwise layer math (norms, rotary embedding, gated activations) fused for eager steps.
+
+Prefill and mixed steps run eagerly, their shapes varying from step to step. There each small
+op of these functions is a pass over the step's activations, and some run over strided views
+(q and k are slices of one projection): for a 2047-token prompt of the 134M reference model in
+fp32, about 18 ms a layer eager against 4 fused by inductor, for any number of tokens
+(`dynamic=True`). A compiled decode step traces the plain function instead, into its own graph.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+Fn = TypeVar("Fn", bound=Callable)
+
+
+def fused(fn: Fn) -> Fn:
+    """`fn` compiled on its first eager call, for any sizes, rounding where `fn` casts as eager
+    execution does (as the decode graphs do); as it is inside a compiled step.
+    (Compiled then, not at import: importing the compiler takes seconds that commands without a
+    model never need.)"""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if torch.compiler.is_compiling():
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+        return compiled(*args)
+
+    call.__name__, call.__doc__, call.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return call  # type: ignore[return-value]
