@@ -24,6 +24,7 @@ from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.dispatch import plan_switches, planned_kernels
+from loom.layers.fused import enable_fusion
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
@@ -104,6 +105,7 @@ class ModelRunner:
             # Parallel options take effect from two ranks on: one process builds the same model
             # whatever they say, so it keeps one set of graphs for all of them.
             layout = repr((config.parallel, self.parallel.rank)) if self.parallel.world_size > 1 else "one process"
+            enable_fusion(self.model)  # eager (prefill) steps fuse their elementwise layers too
             self.decode_graphs = DecodeGraphs(self.model, self.cache, options, layout)
             self._prepare_decode_graphs()
 

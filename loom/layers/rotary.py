@@ -38,9 +38,10 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim // 2] each; plain attributes (not buffers) so that casting the
         # model to bf16 leaves them in fp32.
         self.cos, self.sin = angles.cos(), angles.sin()
+        self.fuse = False  # eager calls fused (loom/layers/fused.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
+        return apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim, fuse=self.fuse)
 
 
 @fused
