@@ -9,6 +9,7 @@ Layers take the fused path once their engine allows compiling (`enable_fusion`).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ def fused(fn: Fn) -> Fn:
     that commands without a model never need."""
     compiled = None
 
+    @functools.wraps(fn)
     def call(*args, fuse: bool = False):
         nonlocal compiled
         if not fuse or torch.compiler.is_compiling():
@@ -33,7 +35,6 @@ def fused(fn: Fn) -> Fn:
             compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
         return compiled(*args)
 
-    call.__name__, call.__doc__, call.__wrapped__ = fn.__name__, fn.__doc__, fn
     return call  # type: ignore[return-value]
 
 
