@@ -225,6 +225,14 @@ def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
     assert decode[2]["kv_bytes_per_seq"] == 16 * per_slot  # the 16 kept, between steps
     assert decode[8]["kv_bytes_per_seq"] == 16 * per_slot  # keyformer's 16 too (per head, the same count)
     assert all(d["decode_tok_per_s"] > 0 and len(d["rounds_ms_per_step"]) == 2 for d in decode)
+    # A decode step reads each stored token and its new one: 64 + 1 ... 64 + 15 over the 15 steps
+    # (the first output comes from the prefill), 16 + 1 once the window keeps 16.
+    assert decode[0]["kv_bytes_read_per_step"] == 2 * 72 * per_slot
+    assert decode[2]["kv_bytes_read_per_step"] == 2 * 17 * per_slot
+    assert decode[0]["memory_bound_vs_full"] == 1 and decode[2]["memory_bound_vs_full"] == pytest.approx(
+        decode[0]["bytes_per_step"] / decode[2]["bytes_per_step"])
+    assert decode[2]["bytes_per_step"] - decode[2]["kv_bytes_read_per_step"] == decode[0]["bytes_per_step"] - \
+        decode[0]["kv_bytes_read_per_step"] > 0  # the same weights
     assert [s["policy"] for s in report["scoring_only"]] == ["h2o", "keyformer"]
     assert all(s["kv_bytes_per_seq"] == decode[0]["kv_bytes_per_seq"] for s in report["scoring_only"])  # no drop
     assert capacity[0]["largest_batch"] == 2 and capacity[2]["largest_batch"] > 2

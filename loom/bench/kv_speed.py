@@ -53,9 +53,10 @@ def bytes_per_slot(llm: LLM) -> int:
 
 def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, batch: int, prompt_len: int,
                output_len: int, vocab_size: int, seed: int = 0) -> dict:
-    """`batch` prompts prefilled, then their decode timed alone: tok/s, time per step, and the KV
+    """`batch` prompts prefilled, then their decode timed alone: tok/s, time per step, the KV
     memory each sequence holds between decode steps (the most over the steps; a step itself adds
-    at most the block of its new token)."""
+    at most the block of its new token), and the bytes of K/V a step reads (the tokens stored,
+    averaged over the steps)."""
     llm = _engine(model_dir, dtype, policy, budget, batch, prompt_len + output_len)
     engine, scheduler = llm.engine, llm.engine.scheduler
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -66,19 +67,33 @@ def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, b
             s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)):
         engine.step()
     generated = sum(len(s.output_token_ids) for s in scheduler.running)
-    slots_per_seq = elapsed = 0.0
+    slots_per_seq = elapsed = slots_read = 0.0
     steps = 0
     while engine.has_unfinished_requests():
+        before = llm.stats()
+        slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
         start = time.perf_counter()
         engine.step()
-        elapsed += time.perf_counter() - start  # the engine's step alone, not the memory count below
+        elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts
         steps += 1
         stats = llm.stats()
         if stats.num_running:
             slots_per_seq = max(slots_per_seq, stats.kv_slots_allocated / stats.num_running)
     decoded = batch * output_len - generated
     return {"policy": policy, "budget": budget, "batch": batch, "decode_tok_per_s": decoded / elapsed,
-            "ms_per_step": 1000 * elapsed / steps, "kv_bytes_per_seq": slots_per_seq * bytes_per_slot(llm)}
+            "ms_per_step": 1000 * elapsed / steps, "kv_bytes_per_seq": slots_per_seq * bytes_per_slot(llm),
+            "kv_bytes_read_per_step": slots_read / steps * bytes_per_slot(llm)}
+
+
+def add_memory_bound(decode: list[dict], weight_bytes: float) -> None:
+    """Each case's bytes a step reads (the weights once, the K/V its sequences store), the rate
+    its steps read them at, and its speed-up over full (the first case) if both steps did
+    nothing but read their bytes at one rate: what a smaller cache buys a decode bound by memory,
+    before any cost of its own."""
+    for d in decode:
+        d["bytes_per_step"] = weight_bytes + d["kv_bytes_read_per_step"]
+        d["GBps"] = d["bytes_per_step"] / d["ms_per_step"] / 1e6
+        d["memory_bound_vs_full"] = decode[0]["bytes_per_step"] / d["bytes_per_step"]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -86,7 +101,8 @@ def median_run(runs: list[dict]) -> dict:
     return {**runs[0], "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
             "decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in runs),
             "rounds_ms_per_step": [r["ms_per_step"] for r in runs],
-            "kv_bytes_per_seq": max(r["kv_bytes_per_seq"] for r in runs)}
+            "kv_bytes_per_seq": max(r["kv_bytes_per_seq"] for r in runs),
+            "kv_bytes_read_per_step": statistics.median(r["kv_bytes_read_per_step"] for r in runs)}
 
 
 def run_capacity(model_dir: Path, dtype: str, policy: str, budget: float | None, kv_cache_memory: int,
@@ -127,6 +143,11 @@ def plot(path: Path, title: str, decode: list[dict], capacity: list[dict]) -> No
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    bound = [decode[0]["decode_tok_per_s"] * r["memory_bound_vs_full"] for r in decode]
+    left.scatter(range(len(decode)), bound, marker="_", s=300, color="#C44E52", zorder=3,
+                 label="memory bound (full's rate x its bytes per step / the case's)")
+    left.set_ylim(top=1.2 * max(bound))
+    left.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{title}\n{cpu_label()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

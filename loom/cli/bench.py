@@ -431,13 +431,14 @@ def _kv_speed(args: argparse.Namespace) -> None:
     import torch
 
     from loom.bench import kv_speed
+    from loom.bench.latency import weight_bytes
     from loom.bench.report import write_report
     from loom.models.config import ModelConfig
 
     torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else kv_speed.long_context_model()
-    vocab = ModelConfig.from_dir(model).vocab_size
-    shape = dict(prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=vocab)
+    model_config = ModelConfig.from_dir(model)
+    shape = dict(prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=model_config.vocab_size)
     # Every decode case once a round, rounds in turn, so that the machine's drift hits all alike;
     # the scored policies with a budget nothing reaches (every step scored, nothing dropped) give
     # what scoring alone costs against the full cache.
@@ -466,9 +467,13 @@ def _kv_speed(args: argparse.Namespace) -> None:
         print(f"[{kv_speed.label(c)}] {memory / 2**20:.0f} MiB of KV: {c['largest_batch']} sequences at once, "
               f"{c['preemptions']} preemptions", flush=True)
     full = decode[0]
+    kv_speed.add_memory_bound(decode, weight_bytes(model_config, args.dtype, None))
     for d, c in zip(decode, capacity):
         d["decode_vs_full"] = d["decode_tok_per_s"] / full["decode_tok_per_s"]
         c["batch_vs_full"] = c["largest_batch"] / capacity[0]["largest_batch"]
+        print(f"[{kv_speed.label(d)}] {d['decode_vs_full']:.2f}x full's decode; reading "
+              f"{d['bytes_per_step'] / 2**20:.0f} MiB a step at {d['GBps']:.1f} GB/s, memory bound "
+              f"{d['memory_bound_vs_full']:.2f}x", flush=True)
     path = write_report("kv_speed", {"model": str(model), "dtype": args.dtype, **shape, "batch": args.batch,
                                      "decode": decode, "scoring_only": scoring, "capacity": capacity}, args.out_dir)
     kv_speed.plot(path.with_suffix(".png"), f"{args.batch} prompts of {args.prompt_len} tokens, {args.output_len} "
