@@ -5,10 +5,15 @@ The model is the 134M reference Llama with a longer position range (its weights 
 random draw), so that prompts of 2048 tokens and their outputs fit."""
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import random
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.report import cpu_label
@@ -51,38 +56,77 @@ def bytes_per_slot(llm: LLM) -> int:
     return kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, bs, config.dtype) // bs
 
 
-def run_decode(model_dir: Path, dtype: str, policy: str, budget: float | None, batch: int, prompt_len: int,
-               output_len: int, vocab_size: int, seed: int = 0) -> dict:
-    """`batch` prompts prefilled, then their decode timed alone: tok/s, time per step, the KV
-    memory each sequence holds between decode steps (the most over the steps; a step itself adds
-    at most the block of its new token), and the bytes of K/V a step reads (the tokens stored,
-    averaged over the steps)."""
-    llm = _engine(model_dir, dtype, policy, budget, batch, prompt_len + output_len)
-    engine, scheduler = llm.engine, llm.engine.scheduler
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-    for prompt in _prompts(batch, prompt_len, vocab_size, seed):
-        engine.add_request(prompt, params)
-    engine.step()  # the scheduler takes the requests in at a step
-    while engine.has_unfinished_requests() and (scheduler.waiting or any(
-            s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)):
-        engine.step()
-    generated = sum(len(s.output_token_ids) for s in scheduler.running)
-    slots_per_seq = elapsed = slots_read = 0.0
-    steps = 0
-    while engine.has_unfinished_requests():
-        before = llm.stats()
-        slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
+class DecodeRun:
+    """One case's decode: `batch` prompts prefilled at construction, then decode steps taken one
+    at a time (`step`), so that several cases' steps can take turns and the machine's drift
+    hits them alike. What it measures (`result`): tok/s and time per step over the engine's
+    steps alone, the KV memory each sequence holds between decode steps (the most over the
+    steps; a step itself adds at most the block of its new token), and the bytes of K/V a step
+    reads (the tokens stored and each new one, averaged over the steps)."""
+
+    def __init__(self, model_dir: Path, dtype: str, policy: str, budget: float | None, batch: int, prompt_len: int,
+                 output_len: int, vocab_size: int, seed: int = 0) -> None:
+        self.policy, self.budget, self.batch, self.output_len = policy, budget, batch, output_len
+        self.llm = _engine(model_dir, dtype, policy, budget, batch, prompt_len + output_len)
+        engine, scheduler = self.llm.engine, self.llm.engine.scheduler
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        for prompt in _prompts(batch, prompt_len, vocab_size, seed):
+            engine.add_request(prompt, params)
+        engine.step()  # the scheduler takes the requests in at a step
+        while engine.has_unfinished_requests() and (scheduler.waiting or any(
+                s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)):
+            engine.step()
+        self.generated = sum(len(s.output_token_ids) for s in scheduler.running)
+        self.slots_per_seq = self.elapsed = self.slots_read = 0.0
+        self.steps = 0
+
+    @property
+    def finished(self) -> bool:
+        return not self.llm.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        before = self.llm.stats()
+        self.slots_read += before.kv_slots_used + before.num_running
         start = time.perf_counter()
-        engine.step()
-        elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts
-        steps += 1
-        stats = llm.stats()
-        if stats.num_running:
-            slots_per_seq = max(slots_per_seq, stats.kv_slots_allocated / stats.num_running)
-    decoded = batch * output_len - generated
-    return {"policy": policy, "budget": budget, "batch": batch, "decode_tok_per_s": decoded / elapsed,
-            "ms_per_step": 1000 * elapsed / steps, "kv_bytes_per_seq": slots_per_seq * bytes_per_slot(llm),
-            "kv_bytes_read_per_step": slots_read / steps * bytes_per_slot(llm)}
+        self.llm.engine.step()
+        self.elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts
+        self.steps += 1
+        after = self.llm.stats()
+        if after.num_running:
+            self.slots_per_seq = max(self.slots_per_seq, after.kv_slots_allocated / after.num_running)
+
+    def result(self) -> dict:
+        decoded = self.batch * self.output_len - self.generated
+        per_slot = bytes_per_slot(self.llm)
+        return {"policy": self.policy, "budget": self.budget, "batch": self.batch,
+                "decode_tok_per_s": decoded / self.elapsed, "ms_per_step": 1000 * self.elapsed / self.steps,
+                "kv_bytes_per_seq": self.slots_per_seq * per_slot,
+                "kv_bytes_read_per_step": self.slots_read / self.steps * per_slot}
+
+
+def run_decodes(model_dir: Path, dtype: str, cases: list[tuple[str, float | None]], batch: int, prompt_len: int,
+                output_len: int, vocab_size: int, threads: int) -> list[dict]:
+    """Every case's engine prefilled, then one decode step of each in turn until all are done:
+    a step of one case is never more than a round of steps away from a step of every other.
+    Run in a process of its own: the engines' memory (about 11 GiB at 2048-token prompts, all
+    cases alive at once) goes back to the system with it, where a process that went on would
+    keep much of it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_decodes, model_dir, dtype, cases, batch, prompt_len, output_len, vocab_size,
+                           threads).result()
+
+
+def _run_decodes(model_dir: Path, dtype: str, cases: list[tuple[str, float | None]], batch: int, prompt_len: int,
+                 output_len: int, vocab_size: int, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    runs = [DecodeRun(model_dir, dtype, policy, budget, batch, prompt_len, output_len, vocab_size)
+            for policy, budget in cases]
+    while not all(run.finished for run in runs):
+        for run in runs:
+            if not run.finished:
+                run.step()
+    return [run.result() for run in runs]
 
 
 def add_memory_bound(decode: list[dict], weight_bytes: float) -> None:
@@ -109,6 +153,7 @@ def run_capacity(model_dir: Path, dtype: str, policy: str, budget: float | None,
                  num_requests: int, prompt_len: int, output_len: int, vocab_size: int, seed: int = 1) -> dict:
     """`num_requests` long requests at once through a pool of `kv_cache_memory` bytes: the most
     sequences that ran together, and how often the pool forced a preemption."""
+    gc.collect()  # the engines of earlier runs, held by reference cycles
     llm = _engine(model_dir, dtype, policy, budget, num_requests, prompt_len + output_len, kv_cache_memory)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     for prompt in _prompts(num_requests, prompt_len, vocab_size, seed):

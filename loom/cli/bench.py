@@ -439,15 +439,14 @@ def _kv_speed(args: argparse.Namespace) -> None:
     model = Path(args.model) if args.model else kv_speed.long_context_model()
     model_config = ModelConfig.from_dir(model)
     shape = dict(prompt_len=args.prompt_len, output_len=args.output_len, vocab_size=model_config.vocab_size)
-    # Every decode case once a round, rounds in turn, so that the machine's drift hits all alike;
-    # the scored policies with a budget nothing reaches (every step scored, nothing dropped) give
-    # what scoring alone costs against the full cache.
+    # Every decode case's steps in turn within a round, so that the machine's drift hits all
+    # alike; the scored policies with a budget nothing reaches (every step scored, nothing
+    # dropped) give what scoring alone costs against the full cache.
     cases = [*kv_speed.CASES, *((policy, kv_speed.NEVER_REACHED) for policy in kv_speed.SCORED)]
     rounds: list[list[dict]] = [[] for _ in cases]
     for _ in range(args.rounds):
-        for (policy, budget), runs in zip(cases, rounds):
-            runs.append(kv_speed.run_decode(model, args.dtype, policy, budget, args.batch, **shape))
-            d = runs[-1]
+        for d, runs in zip(kv_speed.run_decodes(model, args.dtype, cases, args.batch, **shape, threads=args.threads), rounds):
+            runs.append(d)
             print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
                   f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence",
                   flush=True)
