@@ -87,7 +87,7 @@ class DecodeRun:
 
     def step(self) -> None:
         before = self.llm.stats()
-        self.slots_read += before.kv_slots_used + before.num_running
+        self.slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
         start = time.perf_counter()
         self.llm.engine.step()
         self.elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts

@@ -445,7 +445,8 @@ def _kv_speed(args: argparse.Namespace) -> None:
     cases = [*kv_speed.CASES, *((policy, kv_speed.NEVER_REACHED) for policy in kv_speed.SCORED)]
     rounds: list[list[dict]] = [[] for _ in cases]
     for _ in range(args.rounds):
-        for d, runs in zip(kv_speed.run_decodes(model, args.dtype, cases, args.batch, **shape, threads=args.threads), rounds):
+        decoded = kv_speed.run_decodes(model, args.dtype, cases, args.batch, **shape, threads=args.threads)
+        for d, runs in zip(decoded, rounds):
             runs.append(d)
             print(f"[{kv_speed.label(d)}] batch {args.batch}: {d['decode_tok_per_s']:.1f} tok/s, "
                   f"{d['ms_per_step']:.1f} ms/step, {d['kv_bytes_per_seq'] / 2**20:.1f} MiB KV per sequence",
