@@ -116,7 +116,8 @@ def test_packed_step_with_cached_prefixes_matches_dense(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (12, 12, 64, 16) and (9, 3, 64, 16) take the prefill kernel's AVX-512 loops where the CPU has them
+# (12, 12, 64, 16) and (9, 3, 64, 16) take the prefill kernel's AVX-512 loops where the CPU has them (in bf16,
+# its pair products where it has AVX-512 BF16)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (8, 2, 32, 8),
                                                                     (6, 3, 24, 16), (4, 1, 128, 32)])
 @pytest.mark.parametrize("prefix", [0, 21])
