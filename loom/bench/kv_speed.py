@@ -80,19 +80,20 @@ class DecodeRun:
         self.generated = sum(len(s.output_token_ids) for s in scheduler.running)
         self.slots_per_seq = self.elapsed = self.slots_read = 0.0
         self.steps = 0
+        self._stats = self.llm.stats()  # the engine's state before the next step
 
     @property
     def finished(self) -> bool:
         return not self.llm.engine.has_unfinished_requests()
 
     def step(self) -> None:
-        before = self.llm.stats()
+        before = self._stats
         self.slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
         start = time.perf_counter()
         self.llm.engine.step()
         self.elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts
         self.steps += 1
-        after = self.llm.stats()
+        after = self._stats = self.llm.stats()
         if after.num_running:
             self.slots_per_seq = max(self.slots_per_seq, after.kv_slots_allocated / after.num_running)
 
