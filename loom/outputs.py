@@ -47,7 +47,7 @@ class EngineStats:
     num_free_swap_blocks: int   # second-tier slots free (all of them when nothing is swapped)
     prefix_cache_queries: int   # prompt tokens looked up
     prefix_cache_hits: int      # of those, found in the cache
-    kv_slots_allocated: int     # token slots in blocks held by running sequences
+    kv_slots_allocated: int     # token slots in blocks held by running sequences (0: not counted)
     kv_slots_used: int          # of those, holding a computed token
     # With several ranks: collectives issued so far, by kind (calls; bytes each rank put in)
     collective_calls: dict[str, int] = field(default_factory=dict)

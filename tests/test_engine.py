@@ -1,6 +1,7 @@
 """Engine behaviour: prefix caching, chunked prefill, preemption, stats, bad input, no leaks."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,8 @@ def test_kv_waste_and_stats_midway(gqa_dir):
     assert s.num_running == len(_workload())
     assert s.kv_slots_allocated >= s.kv_slots_used > 0
     assert s.num_free_blocks < s.num_blocks
+    # Without the slot walk (what the server's per-step metrics take), everything else is the same.
+    assert llm.engine.stats(kv_slots=False) == dataclasses.replace(s, kv_slots_allocated=0, kv_slots_used=0)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     _assert_no_leak(llm)

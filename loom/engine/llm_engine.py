@@ -7,7 +7,6 @@ while a step runs: they only queue, and the next step takes the queue in.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -135,10 +134,10 @@ class LLMEngine:
                     self._requests.pop(request_id, None)
         return outputs
 
-    def stats(self) -> EngineStats:
-        collectives = self.runner.collectives
-        return dataclasses.replace(self.scheduler.stats(), collective_calls=dict(collectives.calls),
-                                   collective_bytes=dict(collectives.bytes))
+    def stats(self, kv_slots: bool = True) -> EngineStats:
+        stats, collectives = self.scheduler.stats(kv_slots), self.runner.collectives
+        stats.collective_calls, stats.collective_bytes = dict(collectives.calls), dict(collectives.bytes)
+        return stats
 
 
 def _iteration_stats(requests: list[Request], now: float) -> IterationStats:

@@ -294,9 +294,11 @@ class Scheduler:
         self.block_manager.free(seq.kv)
         self._head_moves.pop(seq, None)
 
-    def stats(self) -> EngineStats:
+    def stats(self, kv_slots: bool = True) -> EngineStats:
+        """Without `kv_slots`, the slot counts (a walk over every running sequence's blocks) are
+        left at 0 and the rest costs a few attribute reads: what a per-step observer needs."""
         bm = self.block_manager
-        allocated, used = bm.usage(s.kv for s in self.running)
+        allocated, used = bm.usage(s.kv for s in self.running) if kv_slots else (0, 0)
         return EngineStats(
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
             num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,

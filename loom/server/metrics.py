@@ -47,6 +47,7 @@ class Metrics:
         self.itl = histogram("inter_token_latency_seconds", "Between a request's successive tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self._state = (0, 0, 0.0)  # what the gauges show: running, waiting, KV usage
         self._seen = (0, 0, 0)  # the engine's cumulative prefix queries, hits and preemptions so far
         # With several ranks (Loom's own): collectives rank 0 issued, by kind (all_reduce, gather, broadcast)
         self.collective_calls = Counter("loom:collective_calls", "Collectives issued, by kind.", labels + ["kind"],
@@ -58,17 +59,26 @@ class Metrics:
         self._seen_bytes: dict[str, int] = {}
 
     def record(self, engine: LLMEngine) -> None:
-        """After a step, on the step thread: the engine's state and what the step did."""
-        stats, it = engine.stats(), engine.last_iteration
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting + stats.num_swapped)
-        self.kv_usage.set(1 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        """After a step, on the step thread: the engine's state and what the step did. It runs
+        between every two steps, so it reads the engine's counters without walking its blocks and
+        leaves alone the metrics the step did not move (each update takes a lock)."""
+        stats, it = engine.stats(kv_slots=False), engine.last_iteration
+        state = (stats.num_running, stats.num_waiting + stats.num_swapped,
+                 1 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        if state != self._state:
+            for gauge, value in zip((self.running, self.waiting, self.kv_usage), state):
+                gauge.set(value)
+            self._state = state
         totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals, self._seen):
-            counter.inc(now - before)
-        self._seen = totals
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+        if totals != self._seen:
+            for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
+                                            self._seen):
+                counter.inc(now - before)
+            self._seen = totals
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
         for counter, totals, seen in ((self.collective_calls, stats.collective_calls, self._seen_calls),
                                       (self.collective_bytes, stats.collective_bytes, self._seen_bytes)):
             for kind, total in totals.items():
