@@ -103,11 +103,12 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
 
 def _step_shapes(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
     """What can differ between two decode steps' inputs as the engine builds them: the sizes of
-    every tensor a step's size moves, the row count, and which optional inputs are there (their
-    dtypes, devices and layouts are the same at every step; the pools never change)."""
-    rows, widths = meta.decode_dims()
-    return (meta.num_decode_tokens, meta.decode_scores is None, meta.row_exchange is None, ids.shape,
-            positions.shape, *(t.shape for t, _ in rows), *(t.shape for t, _ in widths))
+    every tensor a step's size moves (the block tables, whose width moves too, among them) and
+    which optional inputs are there (their dtypes, devices and layouts are the same at every step;
+    the pools never change)."""
+    rows, _ = meta.decode_dims()
+    return (meta.decode_scores is None, meta.row_exchange is None, ids.shape, positions.shape,
+            *(t.shape for t, _ in rows))
 
 
 class DecodeGraphs:
