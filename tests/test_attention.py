@@ -123,10 +123,13 @@ def test_packed_step_with_cached_prefixes_matches_dense(backend):
 @pytest.mark.parametrize("prefix", [0, 21])
 def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size, prefix):
     """A chunk of 70 - prefix queries: the kernel's query tiles and key blocks end mid-way, and
-    each tile reads keys up to its last query, from blocks scattered over the pool."""
+    each tile reads keys up to its last query, from blocks scattered over the pool. Slots never
+    written hold NaN: a kernel that reads past the context (the last block's tail) fails."""
     g = torch.Generator().manual_seed(heads + prefix)
     n, num_blocks = 70 - prefix, 16
     cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
+    for pool in cache.keys + cache.values:
+        pool.fill_(float("nan"))
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, ks, vs = fill_cache(cache, 0, [prefix], kv_heads, head_dim, dtype, g) if prefix else ([[]], [], [])
     table = tables[0] + [b for b in free if b not in tables[0]][: -(-70 // block_size) - len(tables[0])]
