@@ -183,8 +183,40 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
+#ifdef __AVX512F__
+// e^x in 16 lanes, for the softmaxes' x <= 0: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2
+// (ln 2 in two parts), e^r by Cephes' degree-6 polynomial (within about 1 ulp, as glibc's vector
+// expf), 2^n by scalef, which takes what underflows to 0. Inlined, it costs about half of the
+// vector library's call, which was a seventh of a bf16 prefill's attention.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
 // s[t] = exp((s[t] - m) * scale) over s[0:n], in place; returns their sum.
 inline float exp_in_place(float* s, int64_t n, float m, float scale = 1.f) {
+#ifdef __AVX512F__
+  const __m512 top = _mm512_set1_ps(m), by = _mm512_set1_ps(scale);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), top), by));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    sums = _mm512_mask_add_ps(sums, live, sums, e);
+  }
+  return _mm512_reduce_add_ps(sums);
+#else
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
@@ -192,6 +224,7 @@ inline float exp_in_place(float* s, int64_t n, float m, float scale = 1.f) {
     sum += s[t];
   }
   return sum;
+#endif
 }
 
 // ---- KV-policy scores -------------------------------------------------------------------------
