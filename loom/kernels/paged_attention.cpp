@@ -462,6 +462,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // halves that traffic (bf16, 512 queries over 2048 keys: 6.2 against 6.6 ms a layer).
 constexpr int64_t kQueryTile = 32;
 constexpr int kScoreRows = 8, kValueRows = 4;  // multiples of each other and dividing kQueryTile
+// Where the CPU has AVX-512 BF16, bf16 values go by pair products over chunks of kValueChunk keys
+// (whole blocks of 16), kDotValueRows rows at a time (see tile_values_dot).
+constexpr int64_t kValueChunk = 64;
+constexpr int kDotValueRows = 4;
+static_assert(kQueryTile % kDotValueRows == 0);
 // Element types the AVX-512 loops read (fp16 stays on the portable ones).
 template <typename T>
 constexpr bool kFastType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
@@ -573,9 +578,6 @@ inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const i
 // against 235 for the fp32 FMA loop, 300 with the interleaving counted at 16 rows a task.
 constexpr int kDotScoreRows = 16;
 static_assert(kQueryTile % kDotScoreRows == 0);
-constexpr int64_t kValueChunk = 64;  // whole blocks of 16
-constexpr int kDotValueRows = 4;
-static_assert(kQueryTile % kDotValueRows == 0);
 
 // Lanes (a0, b0, a1, b1, ...) from the two 16-wide rows a, b of one register.
 inline __m512i pair_order() {
