@@ -763,9 +763,10 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       const int64_t k = task % tiles;
       return {task / tiles, (k % 2 == 0 ? k / 2 : tiles - 1 - k / 2) * kQueryTile};
     };
-    // Row m's query (query r0 + m % kQueryTile of head kvh * group + m / kQueryTile).
-    auto query_row = [&](int64_t kvh, int64_t r0, int64_t m) {
-      return q + ((r0 + m % kQueryTile) * num_heads + kvh * group + m / kQueryTile) * head_dim;
+    // Where row m's query and output start in q and out (query r0 + m % kQueryTile of head
+    // kvh * group + m / kQueryTile).
+    auto row_offset = [&](int64_t kvh, int64_t r0, int64_t m) {
+      return ((r0 + m % kQueryTile) * num_heads + kvh * group + m / kQueryTile) * head_dim;
     };
     for (int64_t task = begin; task < end; ++task) {
       const auto [kvh, r0] = task_of(task);
@@ -781,7 +782,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       std::fill(qpairs.begin(), qpairs.end(), 0u);
       for (int64_t m = 0; m < rows; ++m) {
         if (m % kQueryTile >= live) continue;
-        const T* qrow = query_row(kvh, r0, m);
+        const T* qrow = q + row_offset(kvh, r0, m);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (dot) {
           uint32_t* dst = qpairs.data() + (m / kDotScoreRows) * kDotScoreRows * head_dim / 2 + m % kDotScoreRows;
@@ -850,7 +851,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         const auto [next_kvh, next_r0] = task_of(task + 1);
         for (int64_t m = 0; m < rows; ++m) {
           if (m % kQueryTile >= n - next_r0) continue;
-          const char* row = reinterpret_cast<const char*>(query_row(next_kvh, next_r0, m));
+          const char* row = reinterpret_cast<const char*>(q + row_offset(next_kvh, next_r0, m));
           for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(T)); off += 64)
             __builtin_prefetch(row + off);
         }
@@ -881,7 +882,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       }
       for (int64_t m = 0; m < rows; ++m) {
         if (m % kQueryTile >= live) continue;
-        T* orow = out + (query_row(kvh, r0, m) - q);
+        T* orow = out + row_offset(kvh, r0, m);
         for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[m * head_dim + i] * inv_sum[m]);
       }
     }
