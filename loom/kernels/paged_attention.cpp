@@ -776,8 +776,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       const int64_t lds = (visible + BS - 1) / BS * BS;
       scores.resize(rows * lds);
       if (dot) probs.resize(rows * lds);
-      // Row m is query r0 + m % kQueryTile of head kvh * group + m / kQueryTile. Rows past the
-      // chunk's end have zero queries and probabilities: computed, never stored.
+      // Rows past the chunk's end have zero queries and probabilities: computed, never stored.
       std::fill(qf.begin(), qf.end(), 0.f);
       std::fill(qpairs.begin(), qpairs.end(), 0u);
       for (int64_t m = 0; m < rows; ++m) {
