@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from loom import LLM
 from loom.config import ParallelConfig
 from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
+from loom.parallel.step import await_release
 from loom.parallel.tensor_parallel import kv_replication, local_kv_heads
 from tests.conftest import build_hf_model, random_prompts
 from tests.serving import free_port
@@ -238,6 +240,19 @@ def test_parallel_int8(tmp_path, tp, kvp, options):
 def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):
     """The other transport (the process group's all-reduce; ranks on one host default to shared memory)."""
     _compare(tmp_path, gqa[0], all_reduce="process_group")
+
+
+def test_await_release_waits_for_other_holders_of_the_tensors(caplog):
+    """The end of a run waits for gloo's worker to let go of the last broadcast's tensors (held
+    here by views, let go by another thread) and gives up, with a warning, when nothing does."""
+    tensors = [torch.zeros(4), torch.zeros(2)]
+    views = [t.view(-1) for t in tensors]
+    threading.Timer(0.05, views.clear).start()
+    assert await_release(tensors, timeout=60) and all(t._use_count() == 1 for t in tensors)
+    held = tensors[1].view(-1)
+    assert not await_release(tensors, timeout=0.05)
+    assert "still held" in caplog.text
+    del held
 
 
 SHM_CHECK = """

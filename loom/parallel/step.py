@@ -3,7 +3,9 @@ rank runs the same step on its shard; only rank 0 samples, so nothing flows back
 gathered by the LM head."""
 from __future__ import annotations
 
+import logging
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from loom.parallel.state import ParallelState
+
+logger = logging.getLogger(__name__)
 
 
 def broadcast_step(inputs: Any, state: ParallelState) -> tuple[Any, int]:
@@ -27,7 +31,25 @@ def broadcast_step(inputs: Any, state: ParallelState) -> tuple[Any, int]:
     if not state.is_driver:
         payload = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(payload, src=0, group=state.group)
-    return (inputs if state.is_driver else pickle.loads(payload.numpy().tobytes())), int(size)
+    received = inputs if state.is_driver else pickle.loads(payload.numpy().tobytes())
+    if received is None:  # the run's last collective
+        await_release([size, payload])
+    return received, int(size)
+
+
+def await_release(tensors: list[torch.Tensor], timeout: float = 5.0) -> bool:
+    """Waits until nothing but Python holds `tensors` (a finished collective's), at most
+    `timeout` seconds; whether it did. Gloo's worker thread drops its references to a collective's
+    tensors just after the collective returns, and needs the GIL for it: after a run's last
+    collective, the interpreter's exit can come first, and the worker, unable to take the GIL,
+    aborts the process ("terminate called without an active exception")."""
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            logger.warning("a collective's tensors are still held after %.0f s; leaving anyway", timeout)
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class LockStepError(RuntimeError):
