@@ -132,7 +132,10 @@ def test_decode_kernel_adds_scores_of_their_definition_to_each_rows_state(dtype,
     attn, _ = torch.ops.loom.paged_decode_attention_scored(q, cache.keys[1], cache.values[1], tables, lens, 0.3,
                                                            rows, temps, keys, newest, 1)
     plain, _ = torch.ops.loom.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lens, 0.3)
-    assert torch.equal(attn, plain)  # scoring changes nothing of the attention
+    if dtype == torch.float32:
+        assert torch.equal(attn, plain)  # scoring changes nothing of the attention
+    else:  # but where the CPU has AVX-512 BF16, an unscored bf16 call multiplies by pair products
+        torch.testing.assert_close(attn.float(), plain.float(), atol=2e-2, rtol=2e-2)
     for b in range(2):
         n, state = int(lens[b]), states[b]
         k, _ = cache.gather(1, tables[b, :(n + block_size - 1) // block_size].long(), n)

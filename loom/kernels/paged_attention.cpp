@@ -28,6 +28,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -166,6 +167,91 @@ inline void weighted_rows16(const float* p, const T* v_cache, const int32_t* tab
     }
   }
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Where the CPU has AVX-512 BF16, bf16 attention multiplies by pair products (vdpbf16ps: each fp32
+// lane adds the products of two bf16 pairs), no operand widened to fp32: the query and the
+// probabilities are rounded to bf16 for them, as flash attention's kernels round theirs.
+
+// Lanes (a0, b0, a1, b1, ...) from the two 16-wide rows a, b of one register.
+inline __m512i pair_order() {
+  alignas(64) int16_t idx[32];
+  for (int t = 0; t < 16; ++t) idx[2 * t] = t, idx[2 * t + 1] = 16 + t;
+  return _mm512_load_si512(idx);
+}
+
+// Orders for _mm512_permutex2var_epi16(x, order, y) that interleave two rows of 32 words, x and y:
+// `low` gives (x0, y0, ..., x15, y15), `high` (x16, y16, ..., x31, y31).
+inline std::pair<__m512i, __m512i> interleave_orders() {
+  alignas(64) int16_t low[32], high[32];
+  for (int i = 0; i < 16; ++i) {
+    low[2 * i] = i, low[2 * i + 1] = 32 + i;
+    high[2 * i] = 16 + i, high[2 * i + 1] = 48 + i;
+  }
+  return {_mm512_load_si512(low), _mm512_load_si512(high)};
+}
+
+// out[0:n] = bf16(p[0:n]), and out[n] = 0 when n is odd, so that the last pair holds no garbage.
+inline void to_bf16_pairs(const float* p, int64_t n, uint16_t* out) {
+  int64_t t = 0;
+  for (; t + 32 <= n; t += 32)
+    _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + t + 16), _mm512_loadu_ps(p + t)));
+  if (t < n) {
+    const int64_t left = n - t;
+    const __mmask16 lo = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 hi = left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __m512i both =
+        (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + t + 16), _mm512_maskz_loadu_ps(lo, p + t));
+    const __mmask32 written = (static_cast<__mmask32>(hi) << 16 | lo) | (left % 2 ? __mmask32(1) << left : 0);
+    _mm512_mask_storeu_epi16(out + t, written, both);
+  }
+}
+
+// Decode's scores s[0:16] = q . K[t] for one query over a key block of 16 (keys stored [D, 16]);
+// qpairs holds the query as bf16 pairs [D / 2]. Rows d and d + 1 of the block are one 64-byte
+// load, put in pairs by one permute; two accumulators hide the product's latency.
+inline void block_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10::BFloat16* kblock, float* s,
+                             __m512i order) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  for (int64_t i = 0; i < head_dim / 2; i += 2, kblock += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(kblock)),
+                          (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[i])));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(kblock + 32)),
+                          (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[i + 1])));
+  }
+  _mm512_storeu_ps(s, _mm512_add_ps(a0, a1));
+}
+
+// Decode's out[0:32C] = sum_t p[t] V[t, d0:d0 + 32C] over a sequence's blocks of 16, two tokens a
+// product: p in bf16 as to_bf16_pairs leaves it (a zero after an odd last token), the two
+// tokens' rows interleaved in registers.
+template <int C>
+inline void weighted_rows_dot(const uint16_t* p, const c10::BFloat16* v_cache, const int32_t* table, int64_t ctx,
+                              int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
+  const auto [low, high] = interleave_orders();
+  __m512 a[2 * C];
+  for (int c = 0; c < 2 * C; ++c) a[c] = _mm512_setzero_ps();
+  const int64_t stride = 16 * head_dim, num_blocks = (ctx + 15) / 16;
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const c10::BFloat16* vblock = head_block(v_cache, table, t0 / 16, kvh, num_kv_heads, stride) + d0;
+    if (d0 == 0) prefetch_ahead(v_cache, table, t0 / 16, num_blocks, kvh, num_kv_heads, stride);
+    const int64_t n = std::min<int64_t>(16, ctx - t0);
+    for (int64_t t = 0; t < n; t += 2) {
+      int32_t pair;
+      std::memcpy(&pair, p + t0 + t, 4);
+      const __m512bh pt = (__m512bh)_mm512_set1_epi32(pair);
+      const c10::BFloat16* first = vblock + t * head_dim;
+      const c10::BFloat16* second = t + 1 < n ? first + head_dim : first;  // past the last: weighted 0
+      for (int c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(first + 32 * c), y = _mm512_loadu_si512(second + 32 * c);
+        a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_permutex2var_epi16(x, low, y), pt);
+        a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_permutex2var_epi16(x, high, y), pt);
+      }
+    }
+  }
+  for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(out + 16 * c, a[c]);
 }
 #endif
 
@@ -336,8 +422,19 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
                         float scale, const DecodeScores& scored) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_block_stride = BS * head_dim;  // one kv head's slice of a block
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  // Scores and values by bf16 pair products, in a call that scores no row: a KV policy's scores
+  // are defined on fp32 logits, and a scored call's attention stays what it was with them.
+  const bool dot = fast && !scored.rows;
+#endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    // The pair products' operands: the queries and one row's probabilities in bf16.
+    std::vector<uint32_t> qpairs(group * head_dim / 2);
+    std::vector<uint16_t> probs;
+    const __m512i order = pair_order();
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
@@ -369,6 +466,13 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
         const T* qrow = q + (b * num_heads + kvh * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(qrow, i) * scale;
       }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if (dot) {
+        auto* qb = reinterpret_cast<c10::BFloat16*>(qpairs.data());
+        for (int64_t i = 0; i < group * head_dim; ++i) qb[i] = static_cast<c10::BFloat16>(qf[i]);
+        probs.resize(ctx + 1);
+      }
+#endif
       // Both passes then prefetch kAhead blocks on; their first blocks are asked for here (8-25%
       // less time per step on short and long contexts alike).
       for (int64_t j = 0; j < std::min(kAhead, num_blocks); ++j) {
@@ -381,6 +485,14 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
         prefetch_ahead(k_cache, table, j, num_blocks, kvh, num_kv_heads, head_block_stride);
         for (int64_t g = 0; g < group; ++g) {
           float* out = scores.data() + g * num_blocks * BS + j * BS;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (fast) {
+            if (dot) {
+              block_scores_dot(qpairs.data() + g * head_dim / 2, head_dim, kblock, out, order);
+              continue;
+            }
+          }
+#endif
 #ifdef __AVX512F__
           if constexpr (fast) {
             block_scores16(qf.data() + g * head_dim, kblock, head_dim, out);
@@ -404,6 +516,17 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
           for (int64_t t = 0; t < ctx; ++t) row_scores[t] += s[t] * inv;
         }
         int64_t d0 = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if constexpr (fast) {
+          if (dot) {
+            to_bf16_pairs(s, ctx, probs.data());
+            for (; d0 + 64 <= head_dim; d0 += 64)
+              weighted_rows_dot<2>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+            for (; d0 + 32 <= head_dim; d0 += 32)
+              weighted_rows_dot<1>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+          }
+        }
+#endif
 #ifdef __AVX512F__
         if constexpr (fast) {
           for (; d0 + 64 <= head_dim; d0 += 64)
@@ -579,13 +702,6 @@ inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const i
 constexpr int kDotScoreRows = 16;
 static_assert(kQueryTile % kDotScoreRows == 0);
 
-// Lanes (a0, b0, a1, b1, ...) from the two 16-wide rows a, b of one register.
-inline __m512i pair_order() {
-  alignas(64) int16_t idx[32];
-  for (int t = 0; t < 16; ++t) idx[2 * t] = t, idx[2 * t + 1] = 16 + t;
-  return _mm512_load_si512(idx);
-}
-
 // s[m, t] = q[m] . K[t] for kDotScoreRows rows and a key block of 16 tokens (keys stored [D, 16]);
 // qpairs holds the rows' queries as bf16 pairs [D / 2, kDotScoreRows].
 inline void tile_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10::BFloat16* kblock, float* s,
@@ -601,34 +717,11 @@ inline void tile_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10:
   for (int m = 0; m < kDotScoreRows; ++m) _mm512_storeu_ps(s + m * lds, acc[m]);
 }
 
-// out[0:n] = bf16(p[0:n]), and out[n] = 0 when n is odd, so that the last pair holds no garbage.
-inline void to_bf16_pairs(const float* p, int64_t n, uint16_t* out) {
-  int64_t t = 0;
-  for (; t + 32 <= n; t += 32)
-    _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + t + 16), _mm512_loadu_ps(p + t)));
-  if (t < n) {
-    const int64_t left = n - t;
-    const __mmask16 lo = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 hi = left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
-    const __m512i both =
-        (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + t + 16), _mm512_maskz_loadu_ps(lo, p + t));
-    const __mmask32 written = (static_cast<__mmask32>(hi) << 16 | lo) | (left % 2 ? __mmask32(1) << left : 0);
-    _mm512_mask_storeu_epi16(out + t, written, both);
-  }
-}
-
 // vp[j, d] = (V[t0 + 2j, d], V[t0 + 2j + 1, d]) for the n <= kValueChunk keys from t0 (a multiple
 // of 16), a token past them read as zeros: [ceil(n / 2), head_dim] pairs.
 inline void pack_value_pairs(const c10::BFloat16* v_cache, const int32_t* table, int64_t t0, int64_t n, int64_t kvh,
                              int64_t num_kv_heads, int64_t head_dim, uint32_t* vp) {
-  // Word 2i of a packed vector is word i of the first token's 32 dims, word 2i + 1 the second's
-  // (indices from 32 pick the second operand): dims 0-15 with `low`, 16-31 with `high`.
-  alignas(64) int16_t low_idx[32], high_idx[32];
-  for (int i = 0; i < 16; ++i) {
-    low_idx[2 * i] = i, low_idx[2 * i + 1] = 32 + i;
-    high_idx[2 * i] = 16 + i, high_idx[2 * i + 1] = 48 + i;
-  }
-  const __m512i low = _mm512_load_si512(low_idx), high = _mm512_load_si512(high_idx);
+  const auto [low, high] = interleave_orders();
   const __m512i order = pair_order();
   for (int64_t t = 0; t < n; t += 2, vp += head_dim) {
     const c10::BFloat16* a =
