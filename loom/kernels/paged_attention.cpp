@@ -226,11 +226,11 @@ inline void block_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10
 
 // Decode's out[0:32C] = sum_t p[t] V[t, d0:d0 + 32C] over a sequence's blocks of 16, two tokens a
 // product: p in bf16 as to_bf16_pairs leaves it (a zero after an odd last token), the two
-// tokens' rows interleaved in registers.
+// tokens' rows interleaved in registers by `low` and `high` (interleave_orders).
 template <int C>
 inline void weighted_rows_dot(const uint16_t* p, const c10::BFloat16* v_cache, const int32_t* table, int64_t ctx,
-                              int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
-  const auto [low, high] = interleave_orders();
+                              int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, __m512i low,
+                              __m512i high, float* out) {
   __m512 a[2 * C];
   for (int c = 0; c < 2 * C; ++c) a[c] = _mm512_setzero_ps();
   const int64_t stride = 16 * head_dim, num_blocks = (ctx + 15) / 16;
@@ -434,6 +434,7 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
     std::vector<uint32_t> qpairs(group * head_dim / 2);
     std::vector<uint16_t> probs;
     const __m512i order = pair_order();
+    const auto [low, high] = interleave_orders();
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
@@ -521,9 +522,11 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
           if (dot) {
             to_bf16_pairs(s, ctx, probs.data());
             for (; d0 + 64 <= head_dim; d0 += 64)
-              weighted_rows_dot<2>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+              weighted_rows_dot<2>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, low, high,
+                                   acc.data() + d0);
             for (; d0 + 32 <= head_dim; d0 += 32)
-              weighted_rows_dot<1>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+              weighted_rows_dot<1>(probs.data(), v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, low, high,
+                                   acc.data() + d0);
           }
         }
 #endif
