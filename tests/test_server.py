@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -543,10 +544,72 @@ def test_bench_serve_counts_failed_requests(server):
     assert refused["completed"] == 0 and refused["num_errors"] == 3
     assert all(e.startswith("HTTP 404") and "no-such-model" in e for e in refused["errors"])
     absent = benchmark(f"http://127.0.0.1:{free_port()}", "house", workload, concurrency=2)
-    assert absent["num_errors"] == 3 and all(e.startswith("ClientConnectorError") for e in absent["errors"])
+    assert absent["num_errors"] == 3 and all(e.startswith("ConnectionRefusedError") for e in absent["errors"])
     served = benchmark(server.url, "house", workload, concurrency=2)
     assert served["num_errors"] == 0 and served["total_output_tokens"] == 12
     assert server.idle()
+
+
+class _CannedServer(socketserver.ThreadingTCPServer):
+    """Answers every request with `response` (raw bytes), then closes the connection."""
+    daemon_threads = True
+
+    def __init__(self, response: bytes) -> None:
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                length = 0
+                while (line := self.rfile.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                self.rfile.read(length)
+                self.wfile.write(response)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def _sse_events(tokens: int) -> list[bytes]:
+    chunks = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(tokens)]
+    chunks.append({"choices": [], "usage": {"completion_tokens": tokens}})
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length", "close", "cut", "short"])
+def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing):
+    """The bench's client reads a streamed body in chunks, of a stated length, or ended by the
+    connection's close; a chunked stream the server closes before its last chunk, or a body
+    shorter than its length, is an error of that request."""
+    from loom.bench.serve import ServeRequest, benchmark
+
+    events = _sse_events(3)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    if framing in ("chunked", "cut"):
+        sent = events[:2] if framing == "cut" else events
+        body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in sent) + (b"" if framing == "cut" else b"0\r\n\r\n")
+        response = head + b"Transfer-Encoding: chunked\r\n\r\n" + body
+    elif framing == "length":
+        body = b"".join(events)
+        response = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    elif framing == "close":
+        response = head + b"Connection: close\r\n\r\n" + b"".join(events)
+    else:  # short: a length the body never reaches
+        response = head + b"Content-Length: 100000\r\n\r\n" + b"".join(events)
+    server = _CannedServer(response)
+    try:
+        run = benchmark(server.url, "m", [ServeRequest([1, 2], 2, 3)] * 2, concurrency=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    if framing in ("cut", "short"):
+        assert run["num_errors"] == 2
+        assert all(e.startswith("ConnectionError") and "mid-response" in e for e in run["errors"])
+    else:
+        assert run["num_errors"] == 0 and run["total_output_tokens"] == 6
+        assert all(r["output_tokens"] == 3 for r in run["requests"])
 
 
 def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
