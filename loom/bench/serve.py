@@ -130,8 +130,12 @@ class _Exchange(asyncio.Protocol):
                   if early else None)
 
     def _end(self, error: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_exception(error) if error else self.done.set_result(None)
+        if self.done.done():
+            return
+        if error is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(error)
 
 
 async def _post(url: str, payload: dict, headers: dict[str, str]) -> _Exchange:
