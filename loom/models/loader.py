@@ -14,6 +14,7 @@ from loom.kernels import load_kernels
 from loom.layers.linear import use_dense_linears
 from loom.models.config import GPT_NEOX, ModelConfig
 from loom.models.gpt_neox import GPTNeoXForCausalLM
+from loom.models.huge_pages import move_to_huge_pages
 from loom.models.llama import LlamaForCausalLM
 from loom.parallel.state import ParallelState
 from loom.parallel.tensor_parallel import shard_model
@@ -52,7 +53,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> CausalLM:
     """The model as an engine runs it: weights loaded (or read quantized), quantized at load
     time if asked, cut to this rank's tensor-parallel shard, linear layers choosing their kernel by
-    tokens per step, attention backend set."""
+    tokens per step, attention backend set; on a CPU, its weights on huge pages."""
     if config.attention_backend == "cpp":
         load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
     model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
@@ -63,6 +64,8 @@ def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> 
         shard_model(model, parallel)
     if config.linear_dispatch and torch.device(config.device).type == "cpu":
         use_dense_linears(model)
+    if torch.device(config.device).type == "cpu":
+        move_to_huge_pages(model)
     return model
 
 
