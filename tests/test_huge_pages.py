@@ -1,4 +1,6 @@
 """Weights moved onto huge pages keep their values, their sharing and their holders."""
+import mmap
+
 import torch
 from torch import nn
 
@@ -44,3 +46,11 @@ def test_large_tensors_move_with_their_values_and_sharing() -> None:
 
 def test_nothing_to_move() -> None:
     assert move_to_huge_pages(nn.Linear(4, 4)) == 0
+
+
+def test_moves_where_the_platform_has_no_huge_pages(monkeypatch) -> None:
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)  # as on a platform without the advice
+    linear = nn.Linear(256, ROWS, bias=False)
+    weight, address = linear.weight.detach().clone(), linear.weight.data_ptr()
+    assert move_to_huge_pages(linear) == weight.numel() * 4
+    assert linear.weight.data_ptr() != address and torch.equal(linear.weight, weight)

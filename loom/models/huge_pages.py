@@ -38,8 +38,10 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
         return 0
     total = sum(_aligned(held[0][2].untyped_storage().nbytes()) for held in movable)
     arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # before the first write, so the pages come as huge ones
+    try:  # before the first write, so the pages come as huge ones
         arena.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or a kernel built without huge pages: 4 KiB pages then
+        pass
     offset = 0
     for held in movable:
         t = held[0][2]
