@@ -40,6 +40,8 @@ from loom.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from loom import LLM
 
+REQUEST_TIMEOUT_S = 3600.0  # one streamed request, end to end
+
 
 @dataclass
 class ServeRequest:
@@ -191,7 +193,6 @@ async def _one(url: str, model: str, request: ServeRequest, headers: dict[str, s
 
 
 Probe = Callable[[], dict[str, float]]
-REQUEST_TIMEOUT_S = 3600.0
 
 
 async def _run(base_url: str, model: str, workload: list[ServeRequest], concurrency: int | None,

@@ -33,19 +33,19 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
             for name, t in store.items():
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                     holders.setdefault(t.untyped_storage().data_ptr(), []).append((store, name, t))
-    movable = [held for held in holders.values() if _movable([t for _, _, t in held], min_bytes)]
+    movable = [(held, nbytes) for held in holders.values()
+               if (nbytes := _movable_bytes([t for _, _, t in held], min_bytes))]
     if not movable:
         return 0
-    total = sum(_aligned(held[0][2].untyped_storage().nbytes()) for held in movable)
+    total = sum(_aligned(nbytes) for _, nbytes in movable)
     arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:  # before the first write, so the pages come as huge ones
         arena.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # not Linux, or a kernel built without huge pages: 4 KiB pages then
         pass
     offset = 0
-    for held in movable:
+    for held, nbytes in movable:
         t = held[0][2]
-        nbytes = t.untyped_storage().nbytes()
         # the tensors keep the mapping alive: torch.frombuffer holds a reference to it
         new = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=offset).view(t.dtype).view(t.shape)
         new.copy_(t)
@@ -58,14 +58,14 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     return total
 
 
-def _movable(tensors: list[torch.Tensor], min_bytes: int) -> bool:
-    """Whether these tensors, all on one storage, can move together: each is the whole storage,
-    of the same dtype and shape, and it is large enough."""
+def _movable_bytes(tensors: list[torch.Tensor], min_bytes: int) -> int:
+    """The bytes of these tensors' one storage if they can move together (each is the whole
+    storage, of the same dtype and shape, and it is large enough), else 0."""
     first = tensors[0]
     nbytes = first.untyped_storage().nbytes()
-    return nbytes >= min_bytes and all(
-        t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous() and t.storage_offset() == 0
-        and t.numel() * t.element_size() == nbytes for t in tensors)
+    whole = all(t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous() and t.storage_offset() == 0
+                and t.numel() * t.element_size() == nbytes for t in tensors)
+    return nbytes if whole and nbytes >= min_bytes else 0
 
 
 def _aligned(n: int) -> int:

@@ -62,9 +62,9 @@ def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> 
         quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver)
     if parallel is not None and parallel.tp_size > 1:
         shard_model(model, parallel)
-    if config.linear_dispatch and torch.device(config.device).type == "cpu":
-        use_dense_linears(model)
     if torch.device(config.device).type == "cpu":
+        if config.linear_dispatch:
+            use_dense_linears(model)
         move_to_huge_pages(model)
     return model
 
