@@ -119,10 +119,10 @@ def test_packed_step_with_cached_prefixes_matches_dense(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (12, 12, 64, 16) and (9, 3, 64, 16) take the prefill kernel's AVX-512 loops where the CPU has them (in bf16,
-# its pair products where it has AVX-512 BF16)
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (8, 2, 32, 8),
-                                                                    (6, 3, 24, 16), (4, 1, 128, 32)])
+# (12, 12, 64, 16), (9, 3, 64, 16) and (6, 2, 80, 16) take the prefill kernel's AVX-512 loops where the CPU has
+# them (in bf16, its pair products where it has AVX-512 BF16); 80 dims also their 16-wide remainders
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (6, 2, 80, 16),
+                                                                    (8, 2, 32, 8), (6, 3, 24, 16), (4, 1, 128, 32)])
 @pytest.mark.parametrize("prefix", [0, 21])
 def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size, prefix):
     """A chunk of 70 - prefix queries: the kernel's query tiles and key blocks end mid-way, and

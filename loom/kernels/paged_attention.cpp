@@ -313,6 +313,35 @@ inline float exp_in_place(float* s, int64_t n, float m, float scale = 1.f) {
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// out[t] = bf16(exp((s[t] - m) * scale)) over t < n, for s[t] <= m; returns the sum of the fp32
+// exponentials. As 2^y, y = (s[t] - m) * scale * log2(e) in one FMA: 2^(y - round(y)) by a
+// degree-4 polynomial (relative error under 3e-6, a thousandth of bf16's rounding), times
+// 2^round(y) by scalef. Half the instructions of exp16, whose exponentials come out in fp32.
+inline float exp_to_bf16(const float* s, int64_t n, float m, float scale, uint16_t* out) {
+  const float by = scale * 1.44269504088896341f;
+  const __m512 mul = _mm512_set1_ps(by), shift = _mm512_set1_ps(-m * by);
+  const __m512 c0 = _mm512_set1_ps(0.9999992847442627f), c1 = _mm512_set1_ps(0.6931217908859253f),
+               c2 = _mm512_set1_ps(0.240247443318367f), c3 = _mm512_set1_ps(0.05591786280274391f),
+               c4 = _mm512_set1_ps(0.009570101276040077f);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, s + t), mul, shift);
+    const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, k);
+    __m512 p = _mm512_fmadd_ps(c4, f, c3);
+    p = _mm512_fmadd_ps(p, f, c2);
+    p = _mm512_fmadd_ps(p, f, c1);
+    p = _mm512_fmadd_ps(p, f, c0);
+    const __m512 e = _mm512_maskz_scalef_ps(live, p, k);
+    _mm256_mask_storeu_epi16(out + t, live, (__m256i)_mm512_cvtneps_pbh(e));
+    sums = _mm512_add_ps(sums, e);
+  }
+  return _mm512_reduce_add_ps(sums);
+}
+#endif
+
 // ---- KV-policy scores -------------------------------------------------------------------------
 // Gumbel(0, 1) noise by inverse CDF on a grid: g = -log(-log(u)), u = (i + 0.5) / 2^kGumbelBits,
 // i the top bits of a hash. Two logs per key token and step would cost more than the attention.
@@ -588,8 +617,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // halves that traffic (bf16, 512 queries over 2048 keys: 6.2 against 6.6 ms a layer).
 constexpr int64_t kQueryTile = 32;
 constexpr int kScoreRows = 8, kValueRows = 4;  // multiples of each other and dividing kQueryTile
-// Where the CPU has AVX-512 BF16, bf16 values go by pair products over chunks of kValueChunk keys
-// (whole blocks of 16), kDotValueRows rows at a time (see tile_values_dot).
+// The AVX-512 loops take the values a chunk of kValueChunk keys (whole blocks of 16) at a time,
+// every row of the task over one chunk before the next; where the CPU has AVX-512 BF16, bf16
+// values go by pair products, kDotValueRows rows at a time (see tile_values_dot).
 constexpr int64_t kValueChunk = 64;
 constexpr int kDotValueRows = 4;
 static_assert(kQueryTile % kDotValueRows == 0);
@@ -668,56 +698,84 @@ inline void tile_scores16(const float* q, int64_t head_dim, const T* const* bloc
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + m * lds + 16 * b, acc[m][b]);
 }
 
-// C x 16 columns of V from d0 on.
-template <typename T, int BS, int C>
-inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const int32_t* table, int64_t visible,
+// out[m, d0:d0 + 16C] += sum over t in [t0, t1) of p[m, t] * V[t, d0:d0 + 16C] for kValueRows rows.
+template <typename T, int C>
+inline void tile_values16(const float* p, int64_t ldp, const T* v_cache, const int32_t* table, int64_t t0, int64_t t1,
                           int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t d0, float* out) {
   __m512 acc[kValueRows][C];
   for (int m = 0; m < kValueRows; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < visible; t0 += BS) {
-    const T* vblock = head_block(v_cache, table, t0 / BS, kvh, num_kv_heads, BS * head_dim) + d0;
-    const int64_t tokens = std::min<int64_t>(BS, visible - t0);
-    for (int64_t t = 0; t < tokens; ++t) {
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load16(vblock + t * head_dim + 16 * c);
-      for (int m = 0; m < kValueRows; ++m) {
-        const __m512 pm = _mm512_set1_ps(p[m * ldp + t0 + t]);
-        for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(pm, v[c], acc[m][c]);
-      }
+    for (int c = 0; c < C; ++c) acc[m][c] = load16(out + m * head_dim + d0 + 16 * c);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vrow = head_block(v_cache, table, t / 16, kvh, num_kv_heads, 16 * head_dim) + t % 16 * head_dim + d0;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vrow + 16 * c);
+    for (int m = 0; m < kValueRows; ++m) {
+      const __m512 pm = _mm512_set1_ps(p[m * ldp + t]);
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(pm, v[c], acc[m][c]);
     }
   }
   for (int m = 0; m < kValueRows; ++m)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + m * head_dim + d0 + 16 * c, acc[m][c]);
+}
+
+// acc [rows, D] = p [rows, visible] (rows ldp apart) times the first `visible` keys' V, for
+// blocks of 16 and head sizes that are multiples of 16, a chunk of kValueChunk keys at a time:
+// each chunk's V rows are read from memory once and by every row group from L1 after (the whole
+// context's V, read anew by every 4 rows, ran from L2 at two thirds of the FMA rate).
+template <typename T>
+inline void values16(const float* p, int64_t ldp, int64_t rows, const T* v_cache, const int32_t* table, int64_t visible,
+                     int64_t kvh, int64_t num_kv_heads, int64_t head_dim, float* acc) {
+  std::fill(acc, acc + rows * head_dim, 0.f);
+  for (int64_t t0 = 0; t0 < visible; t0 += kValueChunk) {
+    const int64_t t1 = std::min(t0 + kValueChunk, visible);
+    for (int64_t m0 = 0; m0 < rows; m0 += kValueRows) {
+      int64_t d0 = 0;
+      for (; d0 + 64 <= head_dim; d0 += 64)
+        tile_values16<T, 4>(p + m0 * ldp, ldp, v_cache, table, t0, t1, kvh, num_kv_heads, head_dim, d0,
+                            acc + m0 * head_dim);
+      for (; d0 < head_dim; d0 += 16)
+        tile_values16<T, 1>(p + m0 * ldp, ldp, v_cache, table, t0, t1, kvh, num_kv_heads, head_dim, d0,
+                            acc + m0 * head_dim);
+    }
+  }
 }
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // bf16 blocks of 16 on CPUs with AVX-512 BF16: the scores by bf16 pair products (vdpbf16ps: each
 // fp32 lane adds the products of two head dims), the keys never widened to fp32; queries go in
-// unscaled and the caller scales the scores. 16 rows a key block (measured faster than 8).
+// unscaled and the caller scales the scores. 8 rows times 2 key blocks a call: each broadcast
+// query pair meets two key registers (bf16, 512 queries over 2048 keys: 1.05x the attention of
+// 16 rows times one block).
 //
 // The values by the same products, two tokens a lane: the probabilities rounded to bf16 (as
 // flash attention's kernels round them before their second product), and each chunk of
 // kValueChunk keys' V rows interleaved in pairs of tokens once into a buffer that every row of
 // the task then reads from L1. One core of an AMD EPYC Zen 5: 490 GFLOP/s for these products
 // against 235 for the fp32 FMA loop, 300 with the interleaving counted at 16 rows a task.
-constexpr int kDotScoreRows = 16;
+constexpr int kDotScoreRows = 8;
+constexpr int kDotScoreBlocks = 2;
 static_assert(kQueryTile % kDotScoreRows == 0);
 
-// s[m, t] = q[m] . K[t] for kDotScoreRows rows and a key block of 16 tokens (keys stored [D, 16]);
-// qpairs holds the rows' queries as bf16 pairs [D / 2, kDotScoreRows].
-inline void tile_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10::BFloat16* kblock, float* s,
+// s[m, t] = q[m] . K[t] for kDotScoreRows rows and NB key blocks of 16 tokens (blocks[b] the b-th,
+// keys stored [D, 16], its scores at s + 16b); qpairs holds the rows' queries as bf16 pairs
+// [D / 2, kDotScoreRows].
+template <int NB>
+inline void tile_scores_dot(const uint32_t* qpairs, int64_t head_dim, const c10::BFloat16* const* blocks, float* s,
                             int64_t lds, __m512i order) {
-  __m512 acc[kDotScoreRows];
-  for (int m = 0; m < kDotScoreRows; ++m) acc[m] = _mm512_setzero_ps();
-  const c10::BFloat16* end = kblock + head_dim * 16;
-  for (; kblock < end; kblock += 32, qpairs += kDotScoreRows) {  // rows d and d + 1: one 64-byte load
-    const __m512bh k = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(kblock));
-    for (int m = 0; m < kDotScoreRows; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[m])));
+  __m512 acc[kDotScoreRows][NB];
+  for (int m = 0; m < kDotScoreRows; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < head_dim * 16; i += 32, qpairs += kDotScoreRows) {  // rows d and d + 1: one 64-byte load
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(blocks[b] + i));
+    for (int m = 0; m < kDotScoreRows; ++m) {
+      const __m512bh qm = (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[m]));
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], k[b], qm);
+    }
   }
-  for (int m = 0; m < kDotScoreRows; ++m) _mm512_storeu_ps(s + m * lds, acc[m]);
+  for (int m = 0; m < kDotScoreRows; ++m)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + m * lds + 16 * b, acc[m][b]);
 }
 
 // vp[j, d] = (V[t0 + 2j, d], V[t0 + 2j + 1, d]) for the n <= kValueChunk keys from t0 (a multiple
@@ -803,8 +861,10 @@ inline void values_dot(const uint16_t* p, int64_t ldp, int64_t rows, const c10::
 // log-sum-exp. Without key positions the row sees the keys up to `own`, its own key; with them,
 // those at or before `position`, its own position. A row that sees no key (a shard of the keys
 // may hold none before it) gets zero probabilities, *inv_sum 0 and a log-sum-exp of -inf.
+// With `probs`, the probabilities go there in bf16 as to_bf16_pairs leaves them (s is then
+// scratch), the sum still taken over their fp32 values.
 inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* key_positions, int64_t position,
-                         float scale, float* inv_sum) {
+                         float scale, float* inv_sum, uint16_t* probs) {
   float top, sum = 0.f;
   if (key_positions) {
     top = -std::numeric_limits<float>::infinity();
@@ -822,9 +882,20 @@ inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* 
     }
   } else {  // the keys up to its own
     top = row_max(s, own + 1);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (probs) {  // one pass: exponentials, their sum, bf16
+      sum = exp_to_bf16(s, own + 1, top, scale, probs);
+      std::fill(probs + own + 1, probs + visible + visible % 2, uint16_t{0});
+      *inv_sum = 1.f / sum;
+      return top * scale + std::log(sum);
+    }
+#endif
     sum = exp_in_place(s, own + 1, top, scale);
     std::fill(s + own + 1, s + visible, 0.f);
   }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (probs) to_bf16_pairs(s, visible, probs);
+#endif
   *inv_sum = 1.f / sum;
   return top * scale + std::log(sum);
 }
@@ -870,8 +941,10 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       // Keys any row of the tile can see, and the length of a row of scores (whole blocks).
       const int64_t visible = key_positions ? ctx : first + r0 + live;
       const int64_t lds = (visible + BS - 1) / BS * BS;
-      scores.resize(rows * lds);
-      if (dot) probs.resize(rows * lds);
+      // Grown, never shrunk: tiles alternate between cheap and dear, and a regrown vector zeroes
+      // its new part every time.
+      if (scores.size() < static_cast<size_t>(rows * lds)) scores.resize(rows * lds);
+      if (dot && probs.size() < static_cast<size_t>(rows * lds)) probs.resize(rows * lds);
       // Rows past the chunk's end have zero queries and probabilities: computed, never stored.
       std::fill(qf.begin(), qf.end(), 0.f);
       std::fill(qpairs.begin(), qpairs.end(), 0u);
@@ -895,9 +968,20 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
           if (dot) {
-            for (int64_t m0 = 0; m0 < rows; m0 += kDotScoreRows)
-              tile_scores_dot(qpairs.data() + m0 * head_dim / 2, head_dim, kblock, scores.data() + m0 * lds + j * BS,
-                              lds, order);
+            const int64_t nb = std::min<int64_t>(kDotScoreBlocks, key_blocks - j);
+            const c10::BFloat16* blocks[kDotScoreBlocks] = {kblock};
+            for (int64_t b = 1; b < nb; ++b) {
+              blocks[b] = head_block(k_cache, table, j + b, kvh, num_kv_heads, BS * head_dim);
+              prefetch_ahead(k_cache, table, j + b, key_blocks, kvh, num_kv_heads, BS * head_dim);
+            }
+            for (int64_t m0 = 0; m0 < rows; m0 += kDotScoreRows) {
+              const uint32_t* qp = qpairs.data() + m0 * head_dim / 2;
+              float* sm = scores.data() + m0 * lds + j * BS;
+              static_assert(kDotScoreBlocks == 2, "one call per block count");
+              if (nb == 2) tile_scores_dot<2>(qp, head_dim, blocks, sm, lds, order);
+              else tile_scores_dot<1>(qp, head_dim, blocks, sm, lds, order);
+            }
+            j += nb - 1;
             continue;
           }
         }
@@ -937,10 +1021,8 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         const int64_t r = r0 + m % kQueryTile;
         const int64_t position = query_positions ? query_positions[r] : key_positions ? key_positions[first + r] : 0;
         lse[r * num_heads + kvh * group + m / kQueryTile] =
-            softmax_row(s, visible, first + r, key_positions, position, dot ? scale : 1.f, &inv_sum[m]);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if (dot) to_bf16_pairs(s, visible, probs.data() + m * lds);
-#endif
+            softmax_row(s, visible, first + r, key_positions, position, dot ? scale : 1.f, &inv_sum[m],
+                        dot ? probs.data() + m * lds : nullptr);
       }
       if (task + 1 < end) {  // the next task's queries, scattered over q, on their way while the values run
         const auto [next_kvh, next_r0] = task_of(task + 1);
@@ -958,18 +1040,19 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
                      acc.data());
       }
 #endif
-      for (int64_t m0 = 0; !dot && m0 < rows; m0 += kValueRows) {
+#ifdef __AVX512F__
+      if constexpr (BS == 16 && kFastType<T>) {
+        if (fast && !dot)
+          values16(scores.data(), lds, rows, v_cache, table, visible, kvh, num_kv_heads, head_dim, acc.data());
+      }
+      const bool portable = !fast;
+#else
+      const bool portable = true;
+#endif
+      for (int64_t m0 = 0; portable && m0 < rows; m0 += kValueRows) {
         const float* p = scores.data() + m0 * lds;
         float* o = acc.data() + m0 * head_dim;
         int64_t d0 = 0;
-#ifdef __AVX512F__
-        if constexpr (BS == 16 && kFastType<T>) {
-          for (; fast && d0 + 64 <= head_dim; d0 += 64)
-            tile_values16<T, BS, 4>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
-          for (; fast && d0 < head_dim; d0 += 16)
-            tile_values16<T, BS, 1>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
-        }
-#endif
         for (; d0 + 16 <= head_dim; d0 += 16)
           tile_values<T, BS, 16>(p, lds, v_cache, table, visible, kvh, num_kv_heads, head_dim, d0, o);
         for (; d0 < head_dim; ++d0)
