@@ -4,10 +4,10 @@ Decode-only steps are the many small ones, where per-op overhead rivals the weig
 run through graphs compiled ahead of time with `torch.compile(...).aot_compile`, one for each
 kind of step seen (batch 1; any larger batch up to a kernel switch of the linear layers; steps
 whose attention scores keys for a KV policy). Each graph is saved beside torch's compile cache,
-keyed by everything its trace could have read (Loom's sources, the model's structure, attributes
-and tensor shapes, torch and the CPU): a later start of the same engine loads it instead of
-tracing the model's Python again (about six seconds a graph for the 134M reference model on a
-2-core EPYC). A step runs the first graph whose guards accept its inputs; a step no graph
+keyed by everything its trace could have read (Loom's sources bar its user-facing packages, the
+model's structure, attributes and tensor shapes, torch and the CPU): a later start of the same
+engine loads it instead of tracing the model's Python again (about six seconds a graph for the
+134M reference model on a 2-core EPYC). A step runs the first graph whose guards accept its inputs; a step no graph
 accepts compiles a new one, and saves it. A step shaped like the one before it runs that one's
 graph unchecked (as vLLM dispatches its compiled graphs by batch size without Dynamo's guards):
 the engine builds every step's inputs alike, so their shapes are all that tells steps apart.
@@ -45,12 +45,18 @@ def graphs_root() -> Path:
     return Path(cache_dir()) / "loom-decode-graphs"
 
 
+# Packages no model forward calls into (the user-facing layers on top of the engine): editing
+# them leaves every graph as it was.
+_UNTRACED_PACKAGES = frozenset({"bench", "cli", "server", "planner"})
+
+
 @cache
 def _source_digest() -> str:
     """Loom's own sources: a graph traced through any other version of them is not this one."""
     h = hashlib.sha256()
     root = Path(loom.__file__).parent
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")
+                       and p.relative_to(root).parts[0] not in _UNTRACED_PACKAGES):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
