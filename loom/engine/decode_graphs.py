@@ -1,16 +1,17 @@
 """Compiled decode steps, kept on disk.
 
-Decode-only steps are the many small ones, where per-op overhead rivals the weight reads: they
-run through graphs compiled ahead of time with `torch.compile(...).aot_compile`, one for each
-kind of step seen (batch 1; any larger batch up to a kernel switch of the linear layers; steps
-whose attention scores keys for a KV policy). Each graph is saved beside torch's compile cache,
-keyed by everything its trace could have read (Loom's sources bar its user-facing packages, the
-model's structure, attributes and tensor shapes, torch and the CPU): a later start of the same
-engine loads it instead of tracing the model's Python again (about six seconds a graph for the
-134M reference model on a 2-core EPYC). A step runs the first graph whose guards accept its inputs; a step no graph
-accepts compiles a new one, and saves it. A step shaped like the one before it runs that one's
-graph unchecked (as vLLM dispatches its compiled graphs by batch size without Dynamo's guards):
-the engine builds every step's inputs alike, so their shapes are all that tells steps apart.
+Decode-only steps are the many small ones, where per-op overhead rivals the weight reads: they run
+through graphs compiled ahead of time with `torch.compile(...).aot_compile`, one for each kind of
+step seen (batch 1; any larger batch up to a kernel switch of the linear layers; steps whose
+attention scores keys for a KV policy). Each graph is saved beside torch's compile cache, keyed by
+everything its trace could have read (Loom's sources bar its user-facing packages, the model's
+structure, attributes and tensor shapes, torch and the CPU): a later start of the same engine loads
+it instead of tracing the model's Python again (about six seconds a graph for the 134M reference
+model on a 2-core EPYC). A step runs the first graph whose guards accept its inputs; a step no
+graph accepts compiles a new one, and saves it. A step shaped like the one before it runs that
+one's graph unchecked (as vLLM dispatches its compiled graphs by batch size without Dynamo's
+guards): the engine builds every step's inputs alike, so their shapes are all that tells steps
+apart.
 """
 from __future__ import annotations
 
