@@ -900,6 +900,19 @@ inline float softmax_row(float* s, int64_t visible, int64_t own, const int64_t* 
   return top * scale + std::log(sum);
 }
 
+// Up to `most` of a sequence's key blocks of BS tokens from block j on, kv head kvh's slices,
+// into blocks[], each asking for the block kAhead places on; returns how many there were.
+template <typename T, int BS>
+inline int64_t key_blocks_from(const T* k_cache, const int32_t* table, int64_t j, int64_t most, int64_t num_blocks,
+                               int64_t kvh, int64_t num_kv_heads, int64_t head_dim, const T** blocks) {
+  const int64_t nb = std::min(most, num_blocks - j);
+  for (int64_t b = 0; b < nb; ++b) {
+    blocks[b] = head_block(k_cache, table, j + b, kvh, num_kv_heads, BS * head_dim);
+    prefetch_ahead(k_cache, table, j + b, num_blocks, kvh, num_kv_heads, BS * head_dim);
+  }
+  return nb;
+}
+
 template <typename T, int BS>
 void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const int64_t* key_positions,
                     const int64_t* query_positions, T* out, float* lse, int64_t n, int64_t ctx, int64_t num_heads,
@@ -962,54 +975,48 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         for (int64_t i = 0; i < head_dim; ++i) dst[i * kScoreRows] = to_float(qrow, i) * scale;
       }
       const int64_t key_blocks = lds / BS;
-      for (int64_t j = 0; j < key_blocks; ++j) {
-        const T* kblock = head_block(k_cache, table, j, kvh, num_kv_heads, BS * head_dim);
-        prefetch_ahead(k_cache, table, j, key_blocks, kvh, num_kv_heads, BS * head_dim);
+      for (int64_t j = 0; j < key_blocks;) {
+        float* s = scores.data() + j * BS;  // row 0's scores of block j; row m's lds further each
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
           if (dot) {
-            const int64_t nb = std::min<int64_t>(kDotScoreBlocks, key_blocks - j);
-            const c10::BFloat16* blocks[kDotScoreBlocks] = {kblock};
-            for (int64_t b = 1; b < nb; ++b) {
-              blocks[b] = head_block(k_cache, table, j + b, kvh, num_kv_heads, BS * head_dim);
-              prefetch_ahead(k_cache, table, j + b, key_blocks, kvh, num_kv_heads, BS * head_dim);
-            }
+            const T* blocks[kDotScoreBlocks];
+            const int64_t nb = key_blocks_from<T, BS>(k_cache, table, j, kDotScoreBlocks, key_blocks, kvh, num_kv_heads,
+                                                      head_dim, blocks);
+            static_assert(kDotScoreBlocks == 2, "one call per block count");
             for (int64_t m0 = 0; m0 < rows; m0 += kDotScoreRows) {
               const uint32_t* qp = qpairs.data() + m0 * head_dim / 2;
-              float* sm = scores.data() + m0 * lds + j * BS;
-              static_assert(kDotScoreBlocks == 2, "one call per block count");
-              if (nb == 2) tile_scores_dot<2>(qp, head_dim, blocks, sm, lds, order);
-              else tile_scores_dot<1>(qp, head_dim, blocks, sm, lds, order);
+              if (nb == 2) tile_scores_dot<2>(qp, head_dim, blocks, s + m0 * lds, lds, order);
+              else tile_scores_dot<1>(qp, head_dim, blocks, s + m0 * lds, lds, order);
             }
-            j += nb - 1;
+            j += nb;
             continue;
           }
         }
 #endif
 #ifdef __AVX512F__
         if constexpr (BS == 16 && kFastType<T>) {
-          if (fast) {  // up to kScoreBlocks blocks from j on
-            const int64_t nb = std::min<int64_t>(kScoreBlocks, key_blocks - j);
-            const T* blocks[kScoreBlocks] = {kblock};
-            for (int64_t b = 1; b < nb; ++b) {
-              blocks[b] = head_block(k_cache, table, j + b, kvh, num_kv_heads, BS * head_dim);
-              prefetch_ahead(k_cache, table, j + b, key_blocks, kvh, num_kv_heads, BS * head_dim);
-            }
+          if (fast) {
+            const T* blocks[kScoreBlocks];
+            const int64_t nb = key_blocks_from<T, BS>(k_cache, table, j, kScoreBlocks, key_blocks, kvh, num_kv_heads,
+                                                      head_dim, blocks);
+            static_assert(kScoreBlocks == 3, "one call per block count");
             for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
               const float* qtile = qf.data() + m0 * head_dim;
-              float* s = scores.data() + m0 * lds + j * BS;
-              static_assert(kScoreBlocks == 3, "one call per block count");
-              if (nb == 3) tile_scores16<T, 3>(qtile, head_dim, blocks, s, lds);
-              else if (nb == 2) tile_scores16<T, 2>(qtile, head_dim, blocks, s, lds);
-              else tile_scores16<T, 1>(qtile, head_dim, blocks, s, lds);
+              if (nb == 3) tile_scores16<T, 3>(qtile, head_dim, blocks, s + m0 * lds, lds);
+              else if (nb == 2) tile_scores16<T, 2>(qtile, head_dim, blocks, s + m0 * lds, lds);
+              else tile_scores16<T, 1>(qtile, head_dim, blocks, s + m0 * lds, lds);
             }
-            j += nb - 1;
+            j += nb;
             continue;
           }
         }
 #endif
+        const T* kblock;
+        key_blocks_from<T, BS>(k_cache, table, j, 1, key_blocks, kvh, num_kv_heads, head_dim, &kblock);
         for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows)
-          tile_scores<T, BS>(qf.data() + m0 * head_dim, head_dim, kblock, scores.data() + m0 * lds + j * BS, lds);
+          tile_scores<T, BS>(qf.data() + m0 * head_dim, head_dim, kblock, s + m0 * lds, lds);
+        ++j;
       }
       for (int64_t m = 0; m < rows; ++m) {
         float* s = scores.data() + m * lds;
