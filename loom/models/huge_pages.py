@@ -25,7 +25,8 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     buffers, plain tensor attributes such as packed weights) into one mapping advised for huge
     pages; a tensor held in several places (tied weights) stays one tensor. A storage moves only
     when every tensor held on it is the whole of it, alike: one with a view into it stays where it
-    is, so the view keeps sharing it. Returns the bytes moved."""
+    is, so the view keeps sharing it. Returns the mapping's size: the bytes moved, each storage's
+    rounded up to 64."""
     # storage address -> every (where it is held, under which name, the tensor) on it
     holders: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}
     for module in model.modules():
