@@ -47,6 +47,9 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -58,9 +61,14 @@ class CacheConfig:
     kv_policy: str = "full"
     kv_budget: int | float | None = None
     kv_recent_ratio: float = 0.3
+    # What the pool stores: "auto" (the model's dtype) or "int8" (a scale per token and kv head;
+    # loom/kv/cache.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_kv_policy(self.kv_policy, self.kv_budget, self.kv_recent_ratio)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_policy != "full" and self.kv_budget is None:
             raise ValueError(f"kv_budget: the {self.kv_policy} policy needs a budget (a fraction of the prompt "
                              "or a token count)")

@@ -6,7 +6,7 @@ import torch
 
 from loom.kernels import load_kernels
 from loom.kv.attention import AttentionMetadata, PrefillSegment, paged_attention, paged_decode_attention
-from loom.kv.cache import KVCache
+from loom.kv.cache import KVCache, quantize_kv_reference
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -224,6 +224,7 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     decode, prefill = out.splitlines()
     assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode and "'scored_keyformer_ms'" in decode
     assert "'paged_GFLOPs'" in prefill and "'contiguous_sdpa_ms'" in prefill
+    assert "'paged_int8_ms'" in decode and "'paged_int8_ms'" in prefill
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -247,3 +248,79 @@ def test_write_kernel_equals_the_pytorch_write(dtype):
     assert torch.equal(caches[0].keys[1][slots[0] // 8, :, :, slots[0] % 8], k[0])
     with pytest.raises(RuntimeError, match="outside the pool"):
         caches[0].write(0, k[:1], v[:1], torch.tensor([40]))
+
+
+def _as_stored(x: torch.Tensor) -> torch.Tensor:
+    """x [T, KVH, D] as an int8 pool holds it: each row rounded to 255 levels of its own scale."""
+    q, scales = quantize_kv_reference(x)
+    return q.float() * scales
+
+
+def test_quantize_kv_matches_its_reference():
+    """Loom's op and the plain PyTorch one agree bit for bit (the compiled and eager steps write
+    through either), and a head of zeros gets scale 0."""
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(37, 3, 64, generator=g) * torch.rand(37, 3, 1, generator=g) * 8).to(dtype)
+        x[5, 1] = 0
+        q, scales = torch.ops.loom.quantize_kv(x)
+        ref_q, ref_scales = quantize_kv_reference(x)
+        assert q.dtype == torch.int8 and scales.shape == (37, 3, 1)
+        assert torch.equal(q, ref_q) and torch.equal(scales, ref_scales)
+        assert scales[5, 1].item() == 0 and not q[5, 1].any()
+        assert (q.abs().amax(-1)[scales.squeeze(-1) > 0] == 127).all()  # every other row spans the levels
+        err = (q.float() * scales - x.float()).abs()
+        assert (err <= scales / 2 + 1e-6).all()  # within half a level
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(4, 4, 16, 16), (8, 2, 32, 8), (4, 1, 64, 32),
+                                                                    (6, 3, 24, 16), (8, 2, 64, 16)])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_int8_decode_matches_dense_over_the_stored_rows(dtype, heads, kv_heads, head_dim, block_size, backend):
+    """An int8 pool: decode attends exactly over what it stores (each row times its scale)."""
+    g = torch.Generator().manual_seed(heads * 10 + head_dim)
+    cache = KVCache(1, 64, kv_heads, head_dim, block_size, dtype, "cpu", kernels=backend == "cpp",
+                    kv_cache_dtype="int8")
+    for pool in cache.key_scales + cache.value_scales:
+        pool.fill_(float("nan"))  # a read past a context shows
+    lengths = [1, 5, block_size, block_size + 1, 3 * block_size + 7, 10 * block_size + 3]
+    tables, ks, vs = fill_cache(cache, 0, lengths, kv_heads, head_dim, dtype, g)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
+    out, _ = paged_decode_attention(q, cache, 0, bt, torch.tensor(lengths, dtype=torch.int32), head_dim ** -0.5,
+                                    backend)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b in range(len(lengths)):
+        ref = dense_attention(q[b : b + 1], _as_stored(ks[b]), _as_stored(vs[b]))[0]
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (6, 2, 80, 16),
+                                                                    (8, 2, 32, 8), (6, 3, 24, 16)])
+@pytest.mark.parametrize("prefix", [0, 21])
+def test_int8_prefill_matches_dense_over_the_stored_rows(dtype, heads, kv_heads, head_dim, block_size, prefix):
+    """The long-prefill case over an int8 pool; unwritten slots' scales hold NaN."""
+    g = torch.Generator().manual_seed(heads + prefix + 1)
+    n, num_blocks = 70 - prefix, 16
+    cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu", kernels=True, kv_cache_dtype="int8")
+    for pool in cache.key_scales + cache.value_scales:
+        pool.fill_(float("nan"))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, ks, vs = fill_cache(cache, 0, [prefix], kv_heads, head_dim, dtype, g) if prefix else ([[]], [], [])
+    table = tables[0] + [b for b in free if b not in tables[0]][: -(-70 // block_size) - len(tables[0])]
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(prefix, 70)])
+    meta = AttentionMetadata(slot_mapping=slots,
+                             prefills=[PrefillSegment(0, n, 70, torch.tensor(table, dtype=torch.int32))])
+    out, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
+    reference, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "torch")
+    full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
+    ref = dense_attention(q, _as_stored(full_k), _as_stored(full_v), causal_offset=prefix)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(reference.float(), ref, atol=tol, rtol=tol)

@@ -41,9 +41,9 @@ def test_heldout_loss_is_the_negative_log_likelihood():
 
 
 def test_quality_command_scores_every_variant(tmp_path, capsys):
-    """fp32, int8 and a second copy of the bf16 checkpoint against bf16: the copy agrees on every
-    greedy token (the engine is deterministic), quantization costs little, and the report is named
-    after the command's default model."""
+    """fp32, an int8 KV cache, int8 weights and a second copy of the bf16 checkpoint against bf16:
+    the copy agrees on every greedy token (the engine is deterministic), quantization costs
+    little, and the report is named after the command's default model."""
     from loom.cli import main
 
     corpus = tmp_path / "corpus.txt"
@@ -52,10 +52,10 @@ def test_quality_command_scores_every_variant(tmp_path, capsys):
           "--checkpoints", str(HOUSE), "--window", "256", "--out-dir", str(tmp_path)])
     report = json.loads((tmp_path / "quality.json").read_text())
     rows = report["results"]
-    assert list(rows) == ["bfloat16", "float32", "int8", "house"]
+    assert list(rows) == ["bfloat16", "float32", "bfloat16, int8 KV cache", "int8", "house"]
     assert rows["house"]["greedy_agreement_64_prompts"] == {"identical": 1.0, "mean_matching_prefix": 1.0}
     assert rows["house"]["perplexity"] == rows["bfloat16"]["perplexity"]
-    for label in ("float32", "int8"):
+    for label in ("float32", "bfloat16, int8 KV cache", "int8"):
         assert abs(rows[label]["loss_increase_vs_bf16"]) < 0.05, (label, rows[label])
     assert (tmp_path / "quality.png").is_file()
     assert "wrote" in capsys.readouterr().out

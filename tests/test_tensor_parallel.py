@@ -91,7 +91,8 @@ def _compare(tmp_path: Path, model_dir: Path, near_tie: float = 0.0, tp: int = 2
     by_batch = options.get("attention_sharding") == "batch"
 
     def pool_bytes(kv_heads: int, shards: int = 1) -> int:
-        return blocks // shards * kv_bytes_per_block(m.num_layers, kv_heads, m.head_dim, 16, torch.float32)
+        return blocks // shards * kv_bytes_per_block(m.num_layers, kv_heads, m.head_dim, 16, torch.float32,
+                                                     options.get("kv_cache_dtype", "auto"))
 
     # At most 8 sequences a step (the batches hold 7): compiled runs build the decode graphs of
     # batches 1 and 2 on, not one more for batches past a linear layer's switch of kernel.
@@ -235,6 +236,14 @@ def test_parallel_int8(tmp_path, tp, kvp, options):
     model_dir = tmp_path / f"gqa{hidden}"
     build_hf_model(model_dir, "llama_gqa", hidden_size=hidden)
     _compare(tmp_path, model_dir, near_tie=0.05, tp=tp, kvp=kvp, quantization="int8", **options)
+
+
+@pytest.mark.parametrize("tp,kvp,options", [(1, 2, {}), (2, 1, BY_BATCH)], ids=["helix", "batch"])
+def test_int8_kv_cache_over_ranks(gqa, tmp_path, tp, kvp, options):
+    """An int8 KV cache split over ranks: each rank quantizes the rows of its own heads or
+    tokens as one process does (a scale per token and head), so only the order of the sums
+    differs (Helix's merge of partial attentions): a generation may part at a near tie only."""
+    _compare(tmp_path, gqa[0], near_tie=0.05, tp=tp, kvp=kvp, kv_cache_dtype="int8", **options)
 
 
 def test_two_ranks_all_reduce_through_gloo(gqa, tmp_path):

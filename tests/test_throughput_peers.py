@@ -32,6 +32,17 @@ def test_peer_generates_what_loom_generates(gqa, peer):
     assert out["first_request_ids"] == want[0].outputs[0].token_ids
 
 
+@peers
+def test_openvino_keeps_an_8_bit_cache_beside_looms_int8_one(gqa):
+    """With Loom's int8 KV cache, OpenVINO runs its own 8-bit one (its rounding differs from
+    Loom's, so the tokens are not compared)."""
+    from loom.bench import throughput_peers
+
+    model_dir, _ = gqa
+    prompts, lens = random_prompts(2, 30, seed=4), [5, 3]
+    out = throughput_peers.run_openvino(model_dir, "float32", prompts, lens, threads=2, kv_cache_dtype="int8")
+    assert out["kv_cache_precision"] == "u8" and out["output_tokens"] == 8
+
 
 @peers
 def test_openvino_prefill_samples_what_loom_samples(gqa):

@@ -2,7 +2,8 @@
 `scaled_dot_product_attention` on a contiguous cache of the same shapes: a decode step of a
 batch over every layer of a model (timed per layer; one layer's cache would mostly sit in the
 CPU's last-level cache, which a real step's do not), and one layer's prompt chunk on top of a
-cached prefix. The decode step also scored for H2O and Keyformer: the scores' own cost."""
+cached prefix. The decode step also scored for H2O and Keyformer: the scores' own cost. Both
+also over an int8 pool of the same shapes (`kv_cache_dtype="int8"`)."""
 from __future__ import annotations
 
 import statistics
@@ -38,13 +39,17 @@ def _interleaved(*fns, rounds: int, repeats: int) -> list[float]:
 
 
 def _pool(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-          g: torch.Generator, layers: int = 1) -> tuple[KVCache, torch.Tensor]:
+          g: torch.Generator, layers: int = 1, kv_cache_dtype: str = "auto") -> tuple[KVCache, torch.Tensor]:
     """A pool of random k/v for `layers` layers and `batch` block tables covering `context`
     tokens each, their blocks scattered over the pool, as after many requests came and went."""
     blocks_per_seq = -(-context // block_size)
-    cache = KVCache(layers, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu")
+    cache = KVCache(layers, batch * blocks_per_seq, kv_heads, head_dim, block_size, dtype, "cpu",
+                    kv_cache_dtype=kv_cache_dtype)
     for t in cache.keys + cache.values:
-        t.copy_(torch.randn(t.shape, generator=g))
+        t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point()
+                else torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+    for t in (cache.key_scales or []) + (cache.value_scales or []):
+        t.copy_(torch.rand(t.shape, generator=g) / 64)
     return cache, torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32)
 
 
@@ -69,28 +74,31 @@ def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
     load_kernels()
     g = torch.Generator().manual_seed(0)
     cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers)
+    int8_cache, _ = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers, "int8")
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     contiguous_kv = [(torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype),
                       torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)) for _ in range(layers)]
     scale = head_dim ** -0.5
 
-    def paged(scores: DecodeScores | None = None):
+    def paged(scores: DecodeScores | None = None, pool: KVCache = cache):
         for layer in range(layers):
-            paged_decode_attention(q, cache, layer, tables, lens, scale, "cpp", scores)
+            paged_decode_attention(q, pool, layer, tables, lens, scale, "cpp", scores)
 
     def contiguous():
         for k, v in contiguous_kv:
             F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
 
     h2o, keyformer = (_scores(policy, batch, context, layers, kv_heads) for policy in ("h2o", "keyformer"))
-    p, c, ph, pk = (t / layers for t in _interleaved(paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer),
-                                                     rounds=rounds, repeats=repeats))
+    p, c, ph, pk, p8 = (t / layers for t in _interleaved(paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer),
+                                                         lambda: paged(pool=int8_cache), rounds=rounds, repeats=repeats))
     kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
+    int8_bytes = 2 * batch * context * kv_heads * (head_dim + 4)  # rows and scales
     return {"dtype": str(dtype).removeprefix("torch."), "layers": layers, "paged_ms": p * 1e3,
             "contiguous_sdpa_ms": c * 1e3, "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9,
             "contiguous_GBps": kv_bytes / c / 1e9, "scored_h2o_ms": ph * 1e3, "scored_keyformer_ms": pk * 1e3,
-            "scoring_overhead": {"h2o": ph / p - 1, "keyformer": pk / p - 1}}
+            "scoring_overhead": {"h2o": ph / p - 1, "keyformer": pk / p - 1},
+            "paged_int8_ms": p8 * 1e3, "paged_int8_GBps": int8_bytes / p8 / 1e9, "speedup_int8": p / p8}
 
 
 def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -100,6 +108,7 @@ def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: 
     load_kernels()
     g = torch.Generator().manual_seed(0)
     cache, tables = _pool(1, context, kv_heads, head_dim, block_size, dtype, g)
+    int8_cache, _ = _pool(1, context, kv_heads, head_dim, block_size, dtype, g, kv_cache_dtype="int8")
     seg = PrefillSegment(start=0, num_tokens=tokens, context_len=context, block_ids=tables[0])
     q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     k, v = cache.gather(0, tables[0], context)
@@ -107,17 +116,17 @@ def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: 
     visible = torch.arange(context)[None, :] <= torch.arange(context - tokens, context)[:, None]
     scale = head_dim ** -0.5
 
-    def paged():
-        prefill_attention(q, cache, 0, seg, scale, "cpp")
+    def paged(pool: KVCache = cache):
+        prefill_attention(q, pool, 0, seg, scale, "cpp")
 
     def contiguous():
         F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible, scale=scale,
                                        enable_gqa=kv_heads != heads)
 
-    p, c = _interleaved(paged, contiguous, rounds=rounds, repeats=repeats)
+    p, c, p8 = _interleaved(paged, contiguous, lambda: paged(int8_cache), rounds=rounds, repeats=repeats)
     # q.k and p.v over the keys each query sees: 2 x 2 x head_dim flops per (query head, key)
     pairs = tokens * (context - tokens) + tokens * (tokens + 1) // 2
     flops = 4 * heads * head_dim * pairs
     return {"dtype": str(dtype).removeprefix("torch."), "paged_ms": p * 1e3, "contiguous_sdpa_ms": c * 1e3,
             "ratio_paged_over_contiguous": p / c, "paged_GFLOPs": flops / p / 1e9,
-            "contiguous_GFLOPs": flops / c / 1e9}
+            "contiguous_GFLOPs": flops / c / 1e9, "paged_int8_ms": p8 * 1e3, "speedup_int8": p / p8}

@@ -30,15 +30,17 @@ OPENVINO = {"name": "openvino", "packages": ("torch==2.13.0",),
             "extra": ("optimum-intel[openvino]==2.2.0", "openvino-genai==2026.4.1.0"), "remove": ("torchvision",)}
 CTRANSLATE2 = {"name": "ctranslate2", "packages": ("torch==2.13.0", "transformers>=4.56,<5.6", "ctranslate2==4.8.5")}
 
-# Loom's KV cache holds the model's dtype; OpenVINO's CPU plugin would otherwise pick its own
-# (u8 on recent releases) and its inference precision (bf16 wherever the CPU has it).
+# OpenVINO's KV cache holds what Loom's does: the model's dtype, or with Loom's int8 cache its
+# own 8-bit one (u8, a scale and zero point per token and head); its CPU plugin would otherwise
+# pick u8 whatever Loom's, and its inference precision (bf16 wherever the CPU has it).
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def run_openvino(model_dir: Path, dtype: str, prompts: list[list[int]], output_lens: list[int],
-                 threads: int) -> dict:
+                 threads: int, kv_cache_dtype: str = "auto") -> dict:
     """Every request added to one ContinuousBatchingPipeline at once, timed to the last token."""
-    return _run(OPENVINO, "openvino", model_dir, dtype, threads, prompts=prompts, output_lens=output_lens)
+    return _run(OPENVINO, "openvino", model_dir, dtype, threads, prompts=prompts, output_lens=output_lens,
+                kv_cache_dtype=kv_cache_dtype)
 
 
 def run_openvino_prefill(model_dir: Path, dtype: str, prompts: dict[int, list[list[int]]], threads: int) -> dict:
@@ -99,10 +101,13 @@ def _export_openvino(model: Path, out: Path) -> None:
                    check=True, stdout=sys.stderr)
 
 
+def _openvino_kv_precision(job: dict) -> str:
+    return "u8" if job.get("kv_cache_dtype") == "int8" else OPENVINO_PRECISION[job["dtype"]]
+
+
 def _openvino_properties(job: dict) -> dict:
-    precision = OPENVINO_PRECISION[job["dtype"]]
-    return {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": precision,
-            "KV_CACHE_PRECISION": precision}
+    return {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": OPENVINO_PRECISION[job["dtype"]],
+            "KV_CACHE_PRECISION": _openvino_kv_precision(job)}
 
 
 def _openvino_config(max_new_tokens: int):
@@ -166,7 +171,7 @@ def _openvino(job: dict) -> dict:
         raise RuntimeError(f"OpenVINO generated {sum(generated)} tokens, {sum(job['output_lens'])} requested")
     return _useful(job, seconds, engine="openvino-genai continuous batching",
                    first_request_ids=list(results[0].m_generation_ids[0]),
-                   version=genai.__version__, kv_cache_precision=OPENVINO_PRECISION[job["dtype"]],
+                   version=genai.__version__, kv_cache_precision=_openvino_kv_precision(job),
                    scheduler={"cache_size_gb": scheduler.cache_size, "max_num_seqs": scheduler.max_num_seqs,
                               "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                               "dynamic_split_fuse": scheduler.dynamic_split_fuse})

@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=["hf", "openvino", "ctranslate2"],
                    help="peers run beside Loom (OpenVINO GenAI and CTranslate2 each install into a venv of their own)")
     t.add_argument("--ct2-batch-sizes", type=int, nargs="+", default=[8, 16])
+    t.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="Loom's KV cache (int8: OpenVINO keeps its 8-bit cache too)")
     t.set_defaults(func=_throughput)
 
     a = sub.add_parser("attention", help="paged decode and prefill attention vs contiguous SDPA")
@@ -221,7 +223,8 @@ def _throughput_peer_runs(args: argparse.Namespace, model: Path, dtype: str, wor
             runs.append(("hf", subset, lambda subset=subset, bs=bs: tp.run_hf(model, dtype, subset, bs)))
     if "openvino" in args.peers:
         runs.append(("openvino", workload,
-                     lambda: throughput_peers.run_openvino(model, dtype, *ids(workload), args.threads)))
+                     lambda: throughput_peers.run_openvino(model, dtype, *ids(workload), args.threads,
+                                                           args.kv_cache_dtype)))
     if "ctranslate2" in args.peers:
         for bs in args.ct2_batch_sizes:
             runs.append(("ctranslate2", workload, lambda bs=bs: throughput_peers.run_ctranslate2(
@@ -247,7 +250,7 @@ def _throughput(args: argparse.Namespace) -> None:
     rows = []
     for dtype in args.dtypes:
         gemm = mfu.gemm_roof(config, getattr(torch, dtype))
-        loom = tp.run_loom(model, dtype, workload)
+        loom = tp.run_loom(model, dtype, workload, kv_cache_dtype=args.kv_cache_dtype)
         loom["mfu"] = model_flops(workload) / loom["seconds"] / gemm["roof"]
         print(f"[{dtype}] loom: {loom['output_tok_per_s']:.1f} tok/s, MFU {loom['mfu']:.2f} of "
               f"{gemm['roof'] / 1e9:.0f} GFLOP/s, busiest-step KV waste {loom['busiest_step']['kv_waste'] * 100:.2f}%",
@@ -276,12 +279,14 @@ def _throughput(args: argparse.Namespace) -> None:
                 row[f"speedup_vs_best_{name}"] = loom["output_tok_per_s"] / best["output_tok_per_s"]
                 print(f"[{dtype}] loom / {best['engine']} = {row[f'speedup_vs_best_{name}']:.2f}x", flush=True)
         rows.append(row)
-    results = {"model": str(model), "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
+    results = {"model": str(model), "kv_cache_dtype": args.kv_cache_dtype,
+               "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
                                                  "output_len": [32, 256], "ignore_eos": True, "greedy": True},
                "mfu": "model FLOPs of the requested tokens (linear layers, LM head, attention) / seconds / the "
                       "faster of torch's and Loom's GEMM over 512 rows of the model's layer shapes, same run",
                "results": rows}
-    path = write_report("throughput", results, args.out_dir)
+    int8 = args.kv_cache_dtype == "int8"
+    path = write_report("throughput-kv-int8" if int8 else "throughput", results, args.out_dir)
     labels, values = [], []
     for r in rows:
         labels.append(f"Loom\n{r['dtype']}\nMFU {r['loom']['mfu']:.2f}")
@@ -290,7 +295,8 @@ def _throughput(args: argparse.Namespace) -> None:
             if "skipped" not in p:
                 labels.append(f"{_PEER_LABELS[p['peer']]}{p.get('batch_size', '')}\n{r['dtype']}\nMFU {p['mfu']:.2f}")
                 values.append(p["output_tok_per_s"])
-    bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads",
+    bar_plot(path.with_suffix(".png"), f"Output tokens/s, {args.num_requests} requests, {args.threads} threads"
+             + (", int8 KV cache (OpenVINO: u8)" if int8 else ""),
              labels, values, "output tok/s")
     print(f"wrote {path}")
 
@@ -372,7 +378,8 @@ def _attention(args: argparse.Namespace) -> None:
     for case, rows in (("decode", decode), ("prefill", prefill)):
         for r in rows:
             print(f"[{case} {r['dtype']}] paged {r['paged_ms']:.3f} ms, contiguous SDPA {r['contiguous_sdpa_ms']:.3f} ms, "
-                  f"ratio {r['ratio_paged_over_contiguous']:.3f}")
+                  f"ratio {r['ratio_paged_over_contiguous']:.3f}; int8 pool {r['paged_int8_ms']:.3f} ms "
+                  f"({r['speedup_int8']:.2f}x)")
     for r in decode:
         print(f"[decode {r['dtype']} scored] h2o {r['scored_h2o_ms']:.3f} ms "
               f"({r['scoring_overhead']['h2o']:+.1%}), keyformer {r['scored_keyformer_ms']:.3f} ms "
@@ -382,8 +389,9 @@ def _attention(args: argparse.Namespace) -> None:
                                             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                                             "block_size": 16, "results": decode, "prefill": prefill}, args.out_dir)
     labels = [f"{case}\n{name}\n{r['dtype']}" for case, rows in (("decode", decode), ("prefill", prefill))
-              for r in rows for name in ("Loom paged", "SDPA")]
-    values = [v for rows in (decode, prefill) for r in rows for v in (r["paged_ms"], r["contiguous_sdpa_ms"])]
+              for r in rows for name in ("Loom paged", "paged int8", "SDPA")]
+    values = [v for rows in (decode, prefill) for r in rows
+              for v in (r["paged_ms"], r["paged_int8_ms"], r["contiguous_sdpa_ms"])]
     bar_plot(path.with_suffix(".png"), f"Attention per layer: decode at batch {args.batch}, context "
              f"{args.context}, over {cfg.num_layers} layers' caches; prefill of the last {args.prefill_tokens} tokens",
              labels, values, "ms per layer (median)")
@@ -648,14 +656,15 @@ def _quality(args: argparse.Namespace) -> None:
     lines = [line for line in heldout.split("\n") if len(line) > 20]
     prompts = [rng.choice(lines) for _ in range(64)]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    # (label, checkpoint, dtype, quantization); the first is the reference of the others.
-    variants = [("bfloat16", model, "bfloat16", None), ("float32", model, "float32", None),
-                *((method, model, "bfloat16", method) for method in args.quantization),
-                *((path.name, str(path), "bfloat16", None) for path in args.checkpoints)]
+    # (label, checkpoint, dtype, quantization, KV cache dtype); the first is the reference of the others.
+    variants = [("bfloat16", model, "bfloat16", None, "auto"), ("float32", model, "float32", None, "auto"),
+                ("bfloat16, int8 KV cache", model, "bfloat16", None, "int8"),
+                *((method, model, "bfloat16", method, "auto") for method in args.quantization),
+                *((path.name, str(path), "bfloat16", None, "auto") for path in args.checkpoints)]
     rows: dict[str, dict] = {}
     reference: list[list[int]] = []
-    for label, checkpoint, dtype, method in variants:
-        llm = LLM(checkpoint, dtype=dtype, quantization=method, group_size=32)
+    for label, checkpoint, dtype, method, kv_cache_dtype in variants:
+        llm = LLM(checkpoint, dtype=dtype, quantization=method, group_size=32, kv_cache_dtype=kv_cache_dtype)
         row = rows[label] = quality.heldout_loss(llm, heldout, args.window)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if not reference:

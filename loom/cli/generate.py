@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TextIO
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "house"
 
@@ -14,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="what the KV cache stores: the model's dtype (auto), or int8 with a scale per token and head")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is split over (start one process per rank with torchrun)")
     p.add_argument("--kv-parallel-size", type=int, default=1,
@@ -64,16 +67,19 @@ def _build(args: argparse.Namespace):
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               max_num_seqs=1, kv_cache_memory=256 << 20, enforce_eager=not args.compile,
               tensor_parallel_size=args.tensor_parallel_size, kv_parallel_size=args.kv_parallel_size,
-              attention_sharding=args.attention_sharding, ffn_layout=args.ffn_layout, hop_b=args.hop_b)
+              attention_sharding=args.attention_sharding, ffn_layout=args.ffn_layout, hop_b=args.hop_b,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)
     return llm, params
 
 
-def stream(llm, prompt: str | dict, params, out=sys.stdout) -> list[int]:
-    """Runs one request (`params` asking for DELTA outputs), writing its text as it grows (the
-    engine's detokenizer never emits half a character); returns the generated ids."""
+def stream(llm, prompt: str | dict, params, out: TextIO | None = None) -> list[int]:
+    """Runs one request (`params` asking for DELTA outputs), writing its text to `out` (default:
+    the standard output of the moment) as it grows (the engine's detokenizer never emits half a
+    character); returns the generated ids."""
+    out = out or sys.stdout
     engine = llm.engine
     request_id = engine.add_request(prompt, params)
     ids: list[int] = []

@@ -49,7 +49,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
                 enforce_eager=True if args.enforce_eager else None, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
                 kv_recent_ratio=args.kv_recent_ratio, tensor_parallel_size=args.tensor_parallel_size,
                 kv_parallel_size=args.kv_parallel_size, attention_sharding=args.attention_sharding,
-                ffn_layout=args.ffn_layout, hop_b=args.hop_b)
+                ffn_layout=args.ffn_layout, hop_b=args.hop_b, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _serve(args: argparse.Namespace) -> None:

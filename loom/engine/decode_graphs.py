@@ -103,8 +103,9 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     """What a decode graph traces: the model's forward, every pool's slot count declared equal.
     (Each pool's is marked dynamic, and marked sizes get a symbol each: a graph would read all 24
     of a 12-layer model's sizes and pass them on at every call, about 0.1 ms a step.)"""
-    for pool in (*cache.keys, *cache.values):
-        torch._check(pool.shape[0] == cache.keys[0].shape[0])
+    for keys, values in cache.pools():
+        for pool in (*keys, *values):
+            torch._check(pool.shape[0] == cache.keys[0].shape[0])
     return model.forward(ids, positions, cache, meta)
 
 
@@ -189,7 +190,7 @@ class DecodeGraphs:
             torch._dynamo.decorators.mark_unbacked(t, dim)
         # The pool's size is any: graphs serve engines of other memory budgets too. (Named by
         # source, not marked on the tensors: a graph loaded from disk expects no marks on them.)
-        dynamic = [r"L\['cache'\]\.(keys|values)\[\d+\]:0"]
+        dynamic = [r"L\['cache'\]\.(keys|values|key_scales|value_scales)\[\d+\]:0"]
         if ids.shape[0] > 1:
             for t, dim in [(ids, 0), (positions, 0), *rows]:
                 if t.shape[dim] > 1:

@@ -79,7 +79,7 @@ class ModelRunner:
         # With the pool split over ranks, one spare block more takes the writes of tokens other ranks hold.
         self.cache = KVCache(m.num_layers, num_blocks + (shards > 1), num_kv_heads, m.head_dim,
                              config.cache.block_size, config.dtype, self.device,
-                             kernels=config.attention_backend == "cpp")
+                             kernels=config.attention_backend == "cpp", kv_cache_dtype=config.cache.kv_cache_dtype)
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
         self.seed = config.seed

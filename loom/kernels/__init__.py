@@ -8,6 +8,8 @@ eager calls cost no Python.
                           (paged_attention.cpp)
   paged_decode_attention_scored, attention_row_scores, gumbel_noise  the scores of KV
                           policies (H2O, Keyformer), from the same kernels
+  write_kv, quantize_kv, move_head_slots  stores into the pool (an int8 pool's rows quantized
+                          first) and moves within it
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
@@ -95,12 +97,12 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[1:])
 
     @torch.library.register_fake("loom::paged_decode_attention")
-    def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+    def _(q, key_cache, value_cache, block_tables, context_lens, scale, key_scales=None, value_scales=None):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::paged_decode_attention_scored")
     def _(q, key_cache, value_cache, block_tables, context_lens, scale, score_rows, score_temps, row_keys, newest,
-          layer):
+          layer, key_scales=None, value_scales=None):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
     @torch.library.register_fake("loom::attention_row_scores")
@@ -108,8 +110,13 @@ def _register_fakes() -> None:
         return logits.new_empty(num_kv_heads, logits.shape[2])
 
     @torch.library.register_fake("loom::paged_prefill_attention")
-    def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale, query_positions=None):
+    def _(q, key_cache, value_cache, block_ids, context_len, key_positions, scale, query_positions=None,
+          key_scales=None, value_scales=None):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("loom::quantize_kv")
+    def _(x):
+        return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(*x.shape[:2], 1, dtype=torch.float32)
 
     @torch.library.register_fake("loom::int8_linear")
     def _(x, q, scale):

@@ -14,6 +14,11 @@
 // layer, kv head, position). `attention_row_scores` does the same for prompt rows from their
 // logits.
 //
+// An int8 pool (a scale per token and kv head, in pools of their own): decode reads its rows in
+// place, scaling each block's scores by its keys' scales and the probabilities by the values'
+// before the weighted sum; prefill first converts the sequence's blocks to the queries' dtype,
+// once a call, and attends over them as over a pool of that dtype.
+//
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -64,6 +69,28 @@ template <typename T>
 inline void prefetch_ahead(const T* cache, const int32_t* table, int64_t j, int64_t num_blocks, int64_t kvh,
                            int64_t num_kv_heads, int64_t stride) {
   if (j + kAhead < num_blocks) prefetch_block(cache, table, j + kAhead, kvh, num_kv_heads, stride);
+}
+
+// An int8 pool's per-token scales (float32, [num_blocks, KVH, BS] for keys and for values): a
+// stored token's K or V is its int8 row times its scale. Null for pools of the model's dtype.
+struct KVScales {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
+// Block j's scales of kv head kvh: BS floats, one cache line at BS 16.
+inline const float* block_scales(const float* scales, const int32_t* table, int64_t j, int64_t kvh,
+                                 int64_t num_kv_heads, int64_t bs) {
+  return scales + (table[j] * num_kv_heads + kvh) * bs;
+}
+
+// The scales of a sequence's first n stored tokens, in order.
+inline void sequence_scales(const float* scales, const int32_t* table, int64_t n, int64_t kvh, int64_t num_kv_heads,
+                            int64_t bs, float* out) {
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const float* row = block_scales(scales, table, t0 / bs, kvh, num_kv_heads, bs);
+    std::copy(row, row + std::min(bs, n - t0), out + t0);
+  }
 }
 
 // Element loads widened to fp32. The bf16 case is spelled as a shift so the compiler
@@ -127,6 +154,20 @@ inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // rounded to nearest even, as c10::BFloat16 rounds
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+#endif
 }
 
 template <typename T>
@@ -443,21 +484,23 @@ struct DecodeScores {
   int64_t layer = 0;
 };
 
-// `fast`: the AVX-512 loops above serve this block size, head size and element type.
-template <typename T, int BS, bool fast>
-void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                        const int32_t* context_lens, T* out, float* lse, int64_t batch,
+// `fast`: the AVX-512 loops above serve this block size, head size and element type. T is the
+// queries' and outputs' type, C the pool's: T's own, or int8 with `kv_scales`.
+template <typename T, typename C, int BS, bool fast>
+void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KVScales& kv_scales,
+                        const int32_t* block_tables, const int32_t* context_lens, T* out, float* lse, int64_t batch,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
                         float scale, const DecodeScores& scored) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_block_stride = BS * head_dim;  // one kv head's slice of a block
+  constexpr bool quantized = std::is_same_v<C, int8_t>;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   // Scores and values by bf16 pair products, in a call that scores no row: a KV policy's scores
   // are defined on fp32 logits, and a scored call's attention stays what it was with them.
-  const bool dot = fast && !scored.rows;
+  const bool dot = fast && std::is_same_v<C, c10::BFloat16> && !scored.rows;
 #endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp;
+    std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp, value_scales;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     // The pair products' operands: the queries and one row's probabilities in bf16.
     std::vector<uint32_t> qpairs(group * head_dim / 2);
@@ -508,15 +551,21 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
       for (int64_t j = 0; j < std::min(kAhead, num_blocks); ++j) {
         prefetch_block(k_cache, table, j, kvh, num_kv_heads, head_block_stride);
         prefetch_block(v_cache, table, j, kvh, num_kv_heads, head_block_stride);
+        if constexpr (quantized) prefetch_block(kv_scales.keys, table, j, kvh, num_kv_heads, BS);
+      }
+      if constexpr (quantized) {  // the values' scales, all read before the second pass
+        value_scales.resize(ctx);
+        sequence_scales(kv_scales.values, table, ctx, kvh, num_kv_heads, BS, value_scales.data());
       }
       // Scores of whole blocks (the tail past ctx is written but never read).
       for (int64_t j = 0; j < num_blocks; ++j) {
-        const T* kblock = head_block(k_cache, table, j, kvh, num_kv_heads, head_block_stride);
+        const C* kblock = head_block(k_cache, table, j, kvh, num_kv_heads, head_block_stride);
         prefetch_ahead(k_cache, table, j, num_blocks, kvh, num_kv_heads, head_block_stride);
+        if constexpr (quantized) prefetch_ahead(kv_scales.keys, table, j, num_blocks, kvh, num_kv_heads, BS);
         for (int64_t g = 0; g < group; ++g) {
           float* out = scores.data() + g * num_blocks * BS + j * BS;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-          if constexpr (fast) {
+          if constexpr (fast && std::is_same_v<C, c10::BFloat16>) {
             if (dot) {
               block_scores_dot(qpairs.data() + g * head_dim / 2, head_dim, kblock, out, order);
               continue;
@@ -524,12 +573,15 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
           }
 #endif
 #ifdef __AVX512F__
-          if constexpr (fast) {
-            block_scores16(qf.data() + g * head_dim, kblock, head_dim, out);
-            continue;
-          }
+          if constexpr (fast) block_scores16(qf.data() + g * head_dim, kblock, head_dim, out);
+          else
 #endif
-          block_scores<T, BS>(qf.data() + g * head_dim, kblock, head_dim, out);
+            block_scores<C, BS>(qf.data() + g * head_dim, kblock, head_dim, out);
+          if constexpr (quantized) {
+            const float* ks = block_scales(kv_scales.keys, table, j, kvh, num_kv_heads, BS);
+#pragma omp simd
+            for (int t = 0; t < BS; ++t) out[t] *= ks[t];
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -545,9 +597,13 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
 #pragma omp simd
           for (int64_t t = 0; t < ctx; ++t) row_scores[t] += s[t] * inv;
         }
+        if constexpr (quantized) {  // p . V = (p * value scales) . int8 V
+#pragma omp simd
+          for (int64_t t = 0; t < ctx; ++t) s[t] *= value_scales[t];
+        }
         int64_t d0 = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if constexpr (fast) {
+        if constexpr (fast && std::is_same_v<C, c10::BFloat16>) {
           if (dot) {
             to_bf16_pairs(s, ctx, probs.data());
             for (; d0 + 64 <= head_dim; d0 += 64)
@@ -562,17 +618,17 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
 #ifdef __AVX512F__
         if constexpr (fast) {
           for (; d0 + 64 <= head_dim; d0 += 64)
-            weighted_rows16<T, 4>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+            weighted_rows16<C, 4>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
           for (; d0 < head_dim; d0 += 16)
-            weighted_rows16<T, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+            weighted_rows16<C, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
         }
 #endif
         for (; d0 + 64 <= head_dim; d0 += 64)
-          weighted_rows<T, BS, 64>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+          weighted_rows<C, BS, 64>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
         for (; d0 + 16 <= head_dim; d0 += 16)
-          weighted_rows<T, BS, 16>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+          weighted_rows<C, BS, 16>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
         for (; d0 < head_dim; ++d0)
-          weighted_rows<T, BS, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
+          weighted_rows<C, BS, 1>(s, v_cache, table, ctx, kvh, num_kv_heads, head_dim, d0, acc.data() + d0);
         const float inv = 1.f / sum;
         T* orow = out + (b * num_heads + h) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[i] * inv);
@@ -584,20 +640,22 @@ void decode_kernel_impl(const T* q, const T* k_cache, const T* v_cache, const in
   });
 }
 
-template <typename T, int BS>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                   const int32_t* context_lens, T* out, float* lse, int64_t batch,
+template <typename T, typename C, int BS>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const KVScales& kv_scales,
+                   const int32_t* block_tables, const int32_t* context_lens, T* out, float* lse, int64_t batch,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
                    float scale, const DecodeScores& scored) {
 #ifdef __AVX512F__
-  if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
+  // fp32 pools stay on the portable loops, which were as fast.
+  if constexpr (BS == 16 && (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, int8_t>)) {
     if (head_dim % 16 == 0)
-      return decode_kernel_impl<T, BS, true>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch,
-                                             num_heads, num_kv_heads, head_dim, max_blocks, scale, scored);
+      return decode_kernel_impl<T, C, BS, true>(q, k_cache, v_cache, kv_scales, block_tables, context_lens, out,
+                                                lse, batch, num_heads, num_kv_heads, head_dim, max_blocks, scale,
+                                                scored);
   }
 #endif
-  decode_kernel_impl<T, BS, false>(q, k_cache, v_cache, block_tables, context_lens, out, lse, batch, num_heads,
-                                   num_kv_heads, head_dim, max_blocks, scale, scored);
+  decode_kernel_impl<T, C, BS, false>(q, k_cache, v_cache, kv_scales, block_tables, context_lens, out, lse, batch,
+                                      num_heads, num_kv_heads, head_dim, max_blocks, scale, scored);
 }
 
 // Prefill: a chunk's n queries are the last n of the ctx tokens stored in a sequence's blocks
@@ -1074,6 +1132,44 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
   });
 }
 
+// Blocks table[0 .. num_blocks) of an int8 pool, every kv head, as T in the pool's layouts (block
+// j of the table at j), each token's rows times their scales: what a prefill chunk attends over.
+// Converted once a call, where the prefill kernel's query tiles would each read every block again.
+template <typename T, int BS>
+void dequantize_blocks(const int8_t* k_cache, const int8_t* v_cache, const KVScales& scales, const int32_t* table,
+                       int64_t num_blocks, int64_t num_kv_heads, int64_t head_dim, T* k_out, T* v_out) {
+  const int64_t stride = BS * head_dim;
+  at::parallel_for(0, num_blocks * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t j = i / num_kv_heads, kvh = i % num_kv_heads;
+      const int8_t* k = head_block(k_cache, table, j, kvh, num_kv_heads, stride);
+      const int8_t* v = head_block(v_cache, table, j, kvh, num_kv_heads, stride);
+      const float* ks = block_scales(scales.keys, table, j, kvh, num_kv_heads, BS);
+      const float* vs = block_scales(scales.values, table, j, kvh, num_kv_heads, BS);
+      T* ko = k_out + i * stride;
+      T* vo = v_out + i * stride;
+#ifdef __AVX512F__
+      if constexpr (BS == 16 && kFastType<T>) {  // GCC leaves the bf16 rounding below scalar
+        if (head_dim % 16 == 0) {
+          const __m512 kscale = _mm512_loadu_ps(ks);
+          for (int64_t d = 0; d < head_dim; ++d) store16(ko + d * 16, _mm512_mul_ps(load16(k + d * 16), kscale));
+          for (int t = 0; t < 16; ++t)
+            for (int64_t d = 0; d < head_dim; d += 16)
+              store16(vo + t * head_dim + d, _mm512_mul_ps(load16(v + t * head_dim + d), _mm512_set1_ps(vs[t])));
+          continue;
+        }
+      }
+#endif
+      for (int64_t d = 0; d < head_dim; ++d)
+#pragma omp simd
+        for (int t = 0; t < BS; ++t) ko[d * BS + t] = static_cast<T>(k[d * BS + t] * ks[t]);
+      for (int t = 0; t < BS; ++t)
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) vo[t * head_dim + d] = static_cast<T>(v[t * head_dim + d] * vs[t]);
+    }
+  });
+}
+
 // Calls run(std::integral_constant<int, BS>{}) with the pool's block size as a compile-time BS.
 template <typename F>
 void with_block_size(int64_t block_size, const char* op, F&& run) {
@@ -1087,13 +1183,38 @@ void with_block_size(int64_t block_size, const char* op, F&& run) {
 
 }  // namespace
 
+// The scales of a pool that holds int8 (checked against it; none for a pool of q's dtype):
+// key_scales [blocks, KVH, 1, BS] and value_scales [blocks, KVH, BS, 1] float32, the pool's own
+// layouts with one element a token and head.
+static KVScales pool_scales(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const std::optional<at::Tensor>& key_scales, const std::optional<at::Tensor>& value_scales) {
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (quantized || q.scalar_type() == k_cache.scalar_type()),
+              "the pools must hold q's dtype or int8");
+  TORCH_CHECK(quantized == key_scales.has_value() && quantized == value_scales.has_value(),
+              "an int8 pool comes with its key and value scales, a pool of q's dtype without");
+  if (!quantized) return {};
+  const int64_t per_pool = k_cache.size(0) * k_cache.size(1) * k_cache.size(3);
+  for (const at::Tensor* t : {&*key_scales, &*value_scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == per_pool,
+                "scales must be contiguous float32 with one entry per slot and kv head of the pool");
+  return {key_scales->data_ptr<float>(), value_scales->data_ptr<float>()};
+}
+
+// Calls run(pool element tag): the pool's own type is q's scalar_t, or int8.
+template <typename scalar_t, typename F>
+void with_pool_type(const at::Tensor& k_cache, F&& run) {
+  if (k_cache.scalar_type() == at::kChar) run(int8_t{});
+  else run(scalar_t{});
+}
+
 // Checks and runs a decode call, scored when `scored.rows` is set.
 static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                              const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
-                                              double scale, const DecodeScores& scored) {
+                                              const KVScales& kv_scales, const at::Tensor& block_tables_in,
+                                              const at::Tensor& context_lens_in, double scale,
+                                              const DecodeScores& scored) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
   TORCH_CHECK(block_tables_in.scalar_type() == at::kInt && context_lens_in.scalar_type() == at::kInt, "int32 tables");
   const at::Tensor block_tables = block_tables_in.contiguous();
   const at::Tensor context_lens = context_lens_in.contiguous();
@@ -1104,14 +1225,18 @@ static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const 
   auto out = at::empty_like(q);
   auto lse = at::empty({batch, num_heads}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    auto run = [&](auto block_size_tag) {
-      constexpr int BS = decltype(block_size_tag)::value;
-      decode_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                  block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                                  out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, num_heads,
-                                  num_kv_heads, head_dim, block_tables.size(1), static_cast<float>(scale), scored);
-    };
-    with_block_size(block_size, "paged_decode_attention", run);
+    with_pool_type<scalar_t>(k_cache, [&](auto pool_tag) {
+      using C = decltype(pool_tag);
+      auto run = [&](auto block_size_tag) {
+        constexpr int BS = decltype(block_size_tag)::value;
+        decode_kernel<scalar_t, C, BS>(q.data_ptr<scalar_t>(), static_cast<const C*>(k_cache.data_ptr()),
+                                       static_cast<const C*>(v_cache.data_ptr()), kv_scales,
+                                       block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                                       out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, num_heads,
+                                       num_kv_heads, head_dim, block_tables.size(1), static_cast<float>(scale), scored);
+      };
+      with_block_size(block_size, "paged_decode_attention", run);
+    });
   });
   return {out, lse};
 }
@@ -1119,11 +1244,15 @@ static std::tuple<at::Tensor, at::Tensor> run_decode(const at::Tensor& q, const 
 // q [B, H, D]; k_cache [num_blocks, KVH, D, block_size];
 // v_cache [num_blocks, KVH, block_size, D]; block_tables [B, max_blocks]
 // int32; context_lens [B] int32 (0: a row with no key in this shard of the cache, whose out is 0
-// and lse -inf). Returns (out [B, H, D], lse [B, H] float32).
+// and lse -inf); key_scales, value_scales: an int8 pool's (see pool_scales). Returns
+// (out [B, H, D], lse [B, H] float32).
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                          const at::Tensor& context_lens, double scale) {
-  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, DecodeScores{});
+                                                          const at::Tensor& context_lens, double scale,
+                                                          const std::optional<at::Tensor>& key_scales,
+                                                          const std::optional<at::Tensor>& value_scales) {
+  return run_decode(q, k_cache, v_cache, pool_scales(q, k_cache, v_cache, key_scales, value_scales), block_tables,
+                    context_lens, scale, DecodeScores{});
 }
 
 // paged_decode_attention that also adds each scored row's attention over its stored tokens to
@@ -1136,7 +1265,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_scored(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
     const at::Tensor& context_lens_in, double scale, const at::Tensor& score_rows_in, const at::Tensor& score_temps_in,
-    const at::Tensor& row_keys_in, const at::Tensor& newest_in, int64_t layer) {
+    const at::Tensor& row_keys_in, const at::Tensor& newest_in, int64_t layer,
+    const std::optional<at::Tensor>& key_scales, const std::optional<at::Tensor>& value_scales) {
   const int64_t batch = q.size(0);
   const at::Tensor temps = score_temps_in.contiguous(), keys = row_keys_in.contiguous();
   const at::Tensor rows = score_rows_in.contiguous(), context_lens = context_lens_in.contiguous();
@@ -1155,7 +1285,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_scored(
     TORCH_CHECK(layer >= 0 && layer < r[5 * b + 4], "a scored row's state has no such layer");
   }
   DecodeScores scored{temps.data_ptr<float>(), keys.data_ptr<int64_t>(), r, newest.data_ptr<int64_t>(), layer};
-  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, scored);
+  return run_decode(q, k_cache, v_cache, pool_scales(q, k_cache, v_cache, key_scales, value_scales), block_tables,
+                    context_lens, scale, scored);
 }
 
 // Prompt rows' scores: logits [H, r, ctx] float32 (scaled q.k of r query rows over ctx stored
@@ -1219,10 +1350,12 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
                                                            int64_t context_len,
                                                            const std::optional<at::Tensor>& key_positions_in,
                                                            double scale,
-                                                           const std::optional<at::Tensor>& query_positions_in) {
+                                                           const std::optional<at::Tensor>& query_positions_in,
+                                                           const std::optional<at::Tensor>& key_scales,
+                                                           const std::optional<at::Tensor>& value_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  const KVScales kv_scales = pool_scales(q, k_cache, v_cache, key_scales, value_scales);
   TORCH_CHECK(block_ids_in.scalar_type() == at::kInt, "block_ids must be int32");
   const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(3);
@@ -1253,8 +1386,20 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(const at::Tensor& q, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     auto run = [&](auto block_size_tag) {
       constexpr int BS = decltype(block_size_tag)::value;
-      prefill_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   block_ids.data_ptr<int32_t>(),
+      // An int8 pool: the sequence's blocks in q's dtype first, in the order of their table, which
+      // then counts them 0, 1, ...
+      at::Tensor keys = k_cache, values = v_cache, table = block_ids;
+      if (kv_scales.keys) {
+        const int64_t used = (context_len + BS - 1) / BS;
+        keys = at::empty({used, num_kv_heads, head_dim, BS}, q.options());
+        values = at::empty({used, num_kv_heads, BS, head_dim}, q.options());
+        dequantize_blocks<scalar_t, BS>(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), kv_scales,
+                                        block_ids.data_ptr<int32_t>(), used, num_kv_heads, head_dim,
+                                        keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>());
+        table = at::arange(used, block_ids.options());
+      }
+      prefill_kernel<scalar_t, BS>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                                   table.data_ptr<int32_t>(),
                                    key_positions.defined() ? key_positions.data_ptr<int64_t>() : nullptr,
                                    sharded ? query_positions.data_ptr<int64_t>() : nullptr,
                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(), n, context_len, num_heads,
@@ -1309,9 +1454,10 @@ void move_head_slots(at::TensorList keys, at::TensorList values, const at::Tenso
                     mv[4 * i + 2] >= 0 && mv[4 * i + 2] < slots && mv[4 * i + 3] >= 0 && mv[4 * i + 3] < slots,
                 "move ", i, " is outside the pool");
   switch (keys[0].element_size()) {
+    case 1: move_head_slots_impl<uint8_t>(keys, values, mv, m); break;
     case 2: move_head_slots_impl<uint16_t>(keys, values, mv, m); break;
     case 4: move_head_slots_impl<uint32_t>(keys, values, mv, m); break;
-    default: TORCH_CHECK(false, "move_head_slots supports 2- and 4-byte elements");
+    default: TORCH_CHECK(false, "move_head_slots supports 1-, 2- and 4-byte elements");
   }
 }
 
@@ -1439,29 +1585,63 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(0 <= sl[t] && sl[t] < blocks * bs, "slot ", sl[t], " is outside the pool of ", blocks * bs);
+  auto run = [&](auto element_tag) {
+    using E = decltype(element_tag);
+    write_kv_impl<E>(static_cast<E*>(key_cache.data_ptr()), static_cast<E*>(value_cache.data_ptr()),
+                     static_cast<const E*>(k.data_ptr()), static_cast<const E*>(v.data_ptr()), sl, tokens, kvh,
+                     head_dim, bs, k.stride(0), v.stride(0));
+  };
   switch (key_cache.element_size()) {
-    case 2:
-      write_kv_impl<uint16_t>(static_cast<uint16_t*>(key_cache.data_ptr()), static_cast<uint16_t*>(value_cache.data_ptr()),
-                              static_cast<const uint16_t*>(k.data_ptr()), static_cast<const uint16_t*>(v.data_ptr()),
-                              sl, tokens, kvh, head_dim, bs, k.stride(0), v.stride(0));
-      break;
-    case 4:
-      write_kv_impl<uint32_t>(static_cast<uint32_t*>(key_cache.data_ptr()), static_cast<uint32_t*>(value_cache.data_ptr()),
-                              static_cast<const uint32_t*>(k.data_ptr()), static_cast<const uint32_t*>(v.data_ptr()),
-                              sl, tokens, kvh, head_dim, bs, k.stride(0), v.stride(0));
-      break;
-    default: TORCH_CHECK(false, "write_kv supports 2- and 4-byte elements");
+    case 1: run(uint8_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    default: TORCH_CHECK(false, "write_kv supports 1-, 2- and 4-byte elements");
   }
+}
+
+// Each token's kv head of x [T, KVH, D] as int8 times one scale, for an int8 pool: scale =
+// max|x| * fl(1 / 127) (a product: -ffast-math makes a division by a constant one anyway) and
+// q = round(x * (127 / max|x|)), ties to even (an all-zero head: scale 0, q 0).
+// Returns (q [T, KVH, D] int8, scales [T, KVH, 1] float32). The same arithmetic as
+// loom.kv.cache.quantize_kv_reference, so the two agree bit for bit.
+std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 3, "x must be [T, KVH, D]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0) * x.size(1), head_dim = x.size(2);
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  auto scales = at::empty({x.size(0), x.size(1), 1}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_kv", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    int8_t* dst = q.data_ptr<int8_t>();
+    float* sc = scales.data_ptr<float>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(head_dim);
+      for (int64_t r = begin; r < end; ++r) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          row[d] = to_float(src + r * head_dim, d);
+          amax = std::max(amax, std::abs(row[d]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        sc[r] = amax * (1.f / 127.f);
+        for (int64_t d = 0; d < head_dim; ++d)
+          dst[r * head_dim + d] = static_cast<int8_t>(std::clamp(std::nearbyint(row[d] * inv), -127.f, 127.f));
+      }
+    });
+  });
+  return {q, scales};
 }
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+        "Tensor context_lens, float scale, Tensor? key_scales=None, Tensor? value_scales=None) -> (Tensor, Tensor)");
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_ids, "
-        "int context_len, Tensor? key_positions, float scale, Tensor? query_positions=None) -> (Tensor, Tensor)");
+        "int context_len, Tensor? key_positions, float scale, Tensor? query_positions=None, "
+        "Tensor? key_scales=None, Tensor? value_scales=None) -> (Tensor, Tensor)");
   m.def("paged_decode_attention_scored(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor score_rows, Tensor score_temps, Tensor row_keys, Tensor newest, "
-        "int layer) -> (Tensor, Tensor)");
+        "int layer, Tensor? key_scales=None, Tensor? value_scales=None) -> (Tensor, Tensor)");
+  m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
   m.def("attention_row_scores(Tensor logits, int num_kv_heads, Tensor visible, Tensor score_temps, "
         "Tensor row_keys, int layer) -> Tensor");
   m.def("gumbel_noise(Tensor row_keys, int layer, int num_kv_heads, Tensor positions) -> Tensor");
@@ -1482,4 +1662,5 @@ TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("lowest_unprotected", &lowest_unprotected);
   m.impl("drop_head_entries", &drop_head_entries);
   m.impl("write_kv", &write_kv);
+  m.impl("quantize_kv", &quantize_kv);
 }

@@ -103,11 +103,11 @@ def paged_decode_attention(q: torch.Tensor, cache: KVCache, layer: int, block_ta
     """q [B, H, D] -> [B, H, D]: each row attends over its first context_lens[b] cached tokens."""
     if backend == "cpp" and scores is None:
         return torch.ops.loom.paged_decode_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
-                                                     block_tables, context_lens, scale)
+                                                     block_tables, context_lens, scale, *cache.scales(layer))
     if backend == "cpp":
         return torch.ops.loom.paged_decode_attention_scored(
             q.contiguous(), cache.keys[layer], cache.values[layer], block_tables, context_lens, scale,
-            scores.rows, scores.temps, scores.row_keys, scores.newest, layer)
+            scores.rows, scores.temps, scores.row_keys, scores.newest, layer, *cache.scales(layer))
     return _decode_reference(q, cache, layer, block_tables, context_lens, scale, scores), None
 
 
@@ -163,7 +163,7 @@ def prefill_attention(q: torch.Tensor, cache: KVCache, layer: int, seg: PrefillS
     if backend == "cpp":
         return torch.ops.loom.paged_prefill_attention(q.contiguous(), cache.keys[layer], cache.values[layer],
                                                       seg.block_ids, seg.context_len, seg.key_positions, scale,
-                                                      seg.query_positions)
+                                                      seg.query_positions, *cache.scales(layer))
     return _prefill_reference(q, cache, layer, seg, scale), None
 
 
