@@ -120,3 +120,23 @@ def test_generate_command_takes_the_int8_cache(capsys):
     want = LLM(str(HOUSE), kv_cache_dtype="int8").generate(
         "ROMEO:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     assert want and want in printed
+
+
+def test_int8_pool_under_forks_and_beams(model_dir):
+    """Parallel samples and beams share the prompt's blocks and copy a shared block before
+    writing into it (scales with it): a pool tight enough to preempt gives a roomy one's
+    samples and beams."""
+    prompts = _workload(3)[4:6]
+    sampled = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+
+    def run(**kw) -> tuple[list, list, int]:
+        llm = LLM(str(model_dir), kv_cache_dtype="int8", max_model_len=160, **kw)
+        samples = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled, use_tqdm=False)]
+        beams = [[b.token_ids for b in o.outputs] for o in llm.beam_search(prompts, 3, 16, ignore_eos=True,
+                                                                            use_tqdm=False)]
+        return samples, beams, llm.stats().num_preemptions
+
+    *roomy, _ = run()
+    *tight, preemptions = run(kv_cache_memory=10 * INT8_BLOCK_BYTES, max_num_batched_tokens=64)
+    assert tight == roomy and preemptions > 0
+    assert all(len(s) == 3 for s in roomy[0]) and all(len(b) == 3 for b in roomy[1])
