@@ -281,7 +281,7 @@ def _throughput(args: argparse.Namespace) -> None:
         rows.append(row)
     results = {"model": str(model), "kv_cache_dtype": args.kv_cache_dtype,
                "workload": {"num_requests": args.num_requests, "prompt_len": [32, 512],
-                                                 "output_len": [32, 256], "ignore_eos": True, "greedy": True},
+                            "output_len": [32, 256], "ignore_eos": True, "greedy": True},
                "mfu": "model FLOPs of the requested tokens (linear layers, LM head, attention) / seconds / the "
                       "faster of torch's and Loom's GEMM over 512 rows of the model's layer shapes, same run",
                "results": rows}

@@ -7,6 +7,7 @@ the pool's own layout (an int8 pool's scales with them), and come back bit for b
 from __future__ import annotations
 
 import tempfile
+from typing import IO
 
 import torch
 
@@ -17,7 +18,7 @@ class SwapSpace:
     def __init__(self, cache: KVCache, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.cache = cache
-        self._files: list[tempfile._TemporaryFileWrapper] = []  # each removed when closed
+        self._files: list[IO[bytes]] = []  # each removed when closed
         self.pools = [self._tier(keys, values) for keys, values in cache.pools()]
 
     def _tier(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
