@@ -81,7 +81,8 @@ def test_int8_pool_moves_the_house_models_logprobs_slightly():
             "and he never asked for more. One winter the river froze from bank to bank, and the "
             "daughters walked across the ice while he watched from the door of his hut, his oars "
             "across his knees, wondering what a ferryman is for when the water itself becomes a road. ") * 3
-    full, int8 = LLM(str(HOUSE)), LLM(str(HOUSE), kv_cache_dtype="int8")
+    # Prompt logprobs only: no decode step, so no decode graphs to compile.
+    full, int8 = LLM(str(HOUSE), enforce_eager=True), LLM(str(HOUSE), kv_cache_dtype="int8", enforce_eager=True)
     ids = full.get_tokenizer().encode(text)
     (want, want_top), (got, got_top) = engine_logprobs(full, ids), engine_logprobs(int8, ids)
     error = (got - want).abs()
@@ -117,7 +118,7 @@ def test_generate_command_takes_the_int8_cache(capsys):
     main(["generate", "--model", str(HOUSE), "--kv-cache-dtype", "int8", "--temperature", "0", "--max-tokens", "12",
           "--ignore-eos", "ROMEO:"])
     printed = capsys.readouterr().out
-    want = LLM(str(HOUSE), kv_cache_dtype="int8").generate(
+    want = LLM(str(HOUSE), kv_cache_dtype="int8", enforce_eager=True).generate(
         "ROMEO:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     assert want and want in printed
 
