@@ -118,20 +118,16 @@ def test_packed_step_with_cached_prefixes_matches_dense(backend):
         row += n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (12, 12, 64, 16), (9, 3, 64, 16) and (6, 2, 80, 16) take the prefill kernel's AVX-512 loops where the CPU has
-# them (in bf16, its pair products where it has AVX-512 BF16); 80 dims also their 16-wide remainders
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (6, 2, 80, 16),
-                                                                    (8, 2, 32, 8), (6, 3, 24, 16), (4, 1, 128, 32)])
-@pytest.mark.parametrize("prefix", [0, 21])
-def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size, prefix):
-    """A chunk of 70 - prefix queries: the kernel's query tiles and key blocks end mid-way, and
-    each tile reads keys up to its last query, from blocks scattered over the pool. Slots never
-    written hold NaN: a kernel that reads past the context (the last block's tail) fails."""
-    g = torch.Generator().manual_seed(heads + prefix)
+def _long_prefill_case(dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, prefix: int, seed: int,
+                       kv_cache_dtype: str = "auto"):
+    """A chunk of 70 - prefix queries over a pool of 16 blocks whose never-written slots hold NaN
+    (an int8 pool: its scales), the first `prefix` tokens already stored in scattered blocks:
+    (cache, (q, k, v) of the chunk, its metadata, (the prefix's k, v as lists))."""
+    g = torch.Generator().manual_seed(seed)
     n, num_blocks = 70 - prefix, 16
-    cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu")
-    for pool in cache.keys + cache.values:
+    cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu", kernels=kv_cache_dtype == "int8",
+                    kv_cache_dtype=kv_cache_dtype)
+    for pool in (cache.key_scales + cache.value_scales if cache.quantized else cache.keys + cache.values):
         pool.fill_(float("nan"))
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, ks, vs = fill_cache(cache, 0, [prefix], kv_heads, head_dim, dtype, g) if prefix else ([[]], [], [])
@@ -142,6 +138,21 @@ def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size
     slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(prefix, 70)])
     meta = AttentionMetadata(slot_mapping=slots,
                              prefills=[PrefillSegment(0, n, 70, torch.tensor(table, dtype=torch.int32))])
+    return cache, (q, k, v), meta, (ks, vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (12, 12, 64, 16), (9, 3, 64, 16) and (6, 2, 80, 16) take the prefill kernel's AVX-512 loops where the CPU has
+# them (in bf16, its pair products where it has AVX-512 BF16); 80 dims also their 16-wide remainders
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 12, 64, 16), (9, 3, 64, 16), (6, 2, 80, 16),
+                                                                    (8, 2, 32, 8), (6, 3, 24, 16), (4, 1, 128, 32)])
+@pytest.mark.parametrize("prefix", [0, 21])
+def test_long_prefill_matches_dense(dtype, heads, kv_heads, head_dim, block_size, prefix):
+    """A chunk of 70 - prefix queries: the kernel's query tiles and key blocks end mid-way, and
+    each tile reads keys up to its last query, from blocks scattered over the pool. Slots never
+    written hold NaN: a kernel that reads past the context (the last block's tail) fails."""
+    cache, (q, k, v), meta, (ks, vs) = _long_prefill_case(dtype, heads, kv_heads, head_dim, block_size, prefix,
+                                                          seed=heads + prefix)
     out, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
     full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
     ref = dense_attention(q, full_k, full_v, causal_offset=prefix)
@@ -304,20 +315,8 @@ def test_int8_decode_matches_dense_over_the_stored_rows(dtype, heads, kv_heads, 
 @pytest.mark.parametrize("prefix", [0, 21])
 def test_int8_prefill_matches_dense_over_the_stored_rows(dtype, heads, kv_heads, head_dim, block_size, prefix):
     """The long-prefill case over an int8 pool; unwritten slots' scales hold NaN."""
-    g = torch.Generator().manual_seed(heads + prefix + 1)
-    n, num_blocks = 70 - prefix, 16
-    cache = KVCache(1, num_blocks, kv_heads, head_dim, block_size, dtype, "cpu", kernels=True, kv_cache_dtype="int8")
-    for pool in cache.key_scales + cache.value_scales:
-        pool.fill_(float("nan"))
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables, ks, vs = fill_cache(cache, 0, [prefix], kv_heads, head_dim, dtype, g) if prefix else ([[]], [], [])
-    table = tables[0] + [b for b in free if b not in tables[0]][: -(-70 // block_size) - len(tables[0])]
-    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
-    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(prefix, 70)])
-    meta = AttentionMetadata(slot_mapping=slots,
-                             prefills=[PrefillSegment(0, n, 70, torch.tensor(table, dtype=torch.int32))])
+    cache, (q, k, v), meta, (ks, vs) = _long_prefill_case(dtype, heads, kv_heads, head_dim, block_size, prefix,
+                                                          seed=heads + prefix + 1, kv_cache_dtype="int8")
     out, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "cpp")
     reference, _ = paged_attention(q, k, v, cache, 0, meta, head_dim ** -0.5, "torch")
     full_k, full_v = (torch.cat(ks + [k]), torch.cat(vs + [v])) if prefix else (k, v)
