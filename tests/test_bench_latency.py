@@ -6,8 +6,11 @@ import torch
 
 from conftest import random_prompts
 from loom import LLM, SamplingParams
-from loom.bench.latency import ATTENTION_OPS, LINEAR_OPS, decode_breakdown
+from loom.bench import latency
+from loom.bench.latency import ATTENTION_OPS, LINEAR_OPS, decode_breakdown, kv_bytes
 from loom.kernels import load_kernels
+from loom.kv.cache import KVCache
+from loom.models.config import ModelConfig
 
 
 def test_breakdown_names_real_operators():
@@ -30,3 +33,28 @@ def test_breakdown_splits_a_decode_step(gqa, quantization):
     assert ms["linear"] + ms["attention"] + ms["other"] == pytest.approx(ms["profiled_step"])
     with pytest.raises(ValueError, match="no decode steps"):
         decode_breakdown(engine)
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_mbu_counts_the_kv_pool_as_stored(gqa, dtype, kv_cache_dtype):
+    """The KV bytes MBU counts per token are what the engine's pool holds per slot (int8: with scales)."""
+    cfg = ModelConfig.from_dir(gqa[0])
+    cache = KVCache(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, 16, getattr(torch, dtype), "cpu",
+                    kernels=kv_cache_dtype == "int8", kv_cache_dtype=kv_cache_dtype)
+    pool_bytes = sum(t.nbytes for keys, values in cache.pools() for t in keys + values)
+    assert kv_bytes(cfg, dtype, context=16, batch=4, kv_cache_dtype=kv_cache_dtype) == pool_bytes
+
+
+def test_run_loom_times_the_int8_cache(gqa, monkeypatch):
+    built = []
+
+    class Recorded(LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(latency, "LLM", Recorded)
+    row = latency.run_loom(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6, repeats=1,
+                           kv_cache_dtype="int8")
+    assert built[0].engine.runner.cache.quantized
+    assert row["kv_cache_dtype"] == "int8" and row["tok_per_s"] > 0 and row["step_ms"]["attention"] > 0

@@ -4,6 +4,7 @@ minutes)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,14 +43,14 @@ peers = pytest.mark.skipif(os.environ.get("LOOM_TEST_PEERS") != "1",
                                   "(minutes), so it is not in the default suite")
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+def build_tiny_llama(d: Path, heads: int, kv_heads: int):
+    """A 2-layer random Llama of hidden size 64, saved to `d`: (d, the transformers model)."""
     import transformers
 
-    d = tmp_path_factory.mktemp("tiny_llama")
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
+                                      eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight changes the tokens
@@ -58,6 +59,11 @@ def tiny_llama(tmp_path_factory):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     model.save_pretrained(d)
     return d, model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), heads=4, kv_heads=2)
 
 
 @peers
@@ -81,6 +87,20 @@ def test_llamacpp_q8_0_runs(tiny_llama, tmp_path):
     gguf_path = export_gguf(model_dir, tmp_path / "tiny-q8_0.gguf", "q8_0")
     result = run_llamacpp(gguf_path, [1, 5, 9, 200], max_tokens=8, threads=2, repeats=2)
     assert len(result["generated_ids"]) == 8 and "decode_tok_per_s" in result
+
+
+@peers
+def test_llamacpp_q8_0_kv_cache_greedy_matches_transformers(tmp_path):
+    """llama.cpp's 8-bit cache (what `loom bench latency --kv-cache-dtype int8` gives it): f32
+    weights, a short greedy run, the same tokens as transformers'."""
+    from loom.bench.llamacpp import run_llamacpp
+    from loom.models.gguf import export_gguf
+
+    model_dir, model = build_tiny_llama(tmp_path / "model", heads=2, kv_heads=1)  # q8_0 rows: 32 dims a block
+    prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
+    gguf_path = export_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
+    result = run_llamacpp(gguf_path, prompt, max_tokens=8, threads=2, repeats=1, kv_cache_q8_0=True)
+    assert result["generated_ids"] == hf_greedy(model, prompt, 8)
 
 
 @peers

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from loom import LLM, SamplingParams
+from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
 
 
@@ -28,14 +29,16 @@ def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_s
     return linear * (per_weight + extra)
 
 
-def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int) -> float:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * batch * (4 if dtype == "float32" else 2)
+def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int, kv_cache_dtype: str = "auto") -> float:
+    per_token = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, getattr(torch, dtype),
+                                   kv_cache_dtype)
+    return per_token * context * batch
 
 
 def mbu(cfg: ModelConfig, dtype: str, quantization: str | None, batch: int, mean_context: int,
-        steps_per_s: float, peak_bytes_per_s: float) -> float:
+        steps_per_s: float, peak_bytes_per_s: float, kv_cache_dtype: str = "auto") -> float:
     """Achieved share of the peak: bytes one decode step reads x steps per second / peak."""
-    step_bytes = weight_bytes(cfg, dtype, quantization) + kv_bytes(cfg, dtype, mean_context, batch)
+    step_bytes = weight_bytes(cfg, dtype, quantization) + kv_bytes(cfg, dtype, mean_context, batch, kv_cache_dtype)
     return step_bytes * steps_per_s / peak_bytes_per_s
 
 
@@ -45,14 +48,15 @@ def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
 
 
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
-             repeats: int) -> dict:
+             repeats: int, kv_cache_dtype: str = "auto") -> dict:
     # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
     # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
     # after four earlier engines in the same process).
     gc.collect()
     # A token budget that takes every prompt in one step, so that all the timed steps decode.
     llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
-              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30)
+              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30,
+              kv_cache_dtype=kv_cache_dtype)
     vocab_size = llm.engine.config.model_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -77,7 +81,8 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     # operators' profiled times give it without (two runs apart, so it carries their spread).
     step_ms["step"] = 1e3 / statistics.median(rates)
     step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
-    return {"engine": "loom", "dtype": dtype, "quantization": quantization, "batch": batch,
+    return {"engine": "loom", "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+            "batch": batch,
             "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
             "all_steps_per_s": rates, "step_ms": step_ms}
 

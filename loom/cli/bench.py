@@ -105,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lt.add_argument("--gguf", help="llama.cpp also runs this file (or pkg:NAME's), at batch 1: the GGUF the model "
                                    "was converted from, say; its ratio is taken against Loom's int4")
     lt.add_argument("--rounds", type=int, default=3, help="passes over all engines; results are medians over them")
+    lt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="Loom's KV cache (int8: llama.cpp's is q8_0, and transformers, which has no such cache "
+                         "of its own, is left out)")
     lt.set_defaults(func=_latency)
 
     pl = sub.add_parser("planner", help="the planner's predicted decode step times vs Loom's measured ones")
@@ -872,11 +875,12 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
     rows = []
     for dtype, quant, gguf_type in LATENCY_VARIANTS:
         for batch in args.batches:
-            r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats)
+            r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats,
+                                 args.kv_cache_dtype)
             rows.append(r)
             print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a step, ms: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()), flush=True)
-        if quant is None:
+        if quant is None and args.kv_cache_dtype == "auto":
             for batch in args.batches:
                 r = latency.run_hf(model, dtype, batch, args.prompt_len, args.max_tokens, args.repeats)
                 rows.append(r)
@@ -885,7 +889,8 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
             rows.append(_llamacpp_row(args, llamacpp.peer_gguf(model, gguf_type), gguf_type, cfg))
     for checkpoint in args.checkpoints:
         for batch in args.batches:
-            r = latency.run_loom(checkpoint, "bfloat16", None, batch, args.prompt_len, args.max_tokens, args.repeats)
+            r = latency.run_loom(checkpoint, "bfloat16", None, batch, args.prompt_len, args.max_tokens, args.repeats,
+                                 args.kv_cache_dtype)
             rows.append(dict(r, checkpoint=checkpoint.name))
             print(f"loom {checkpoint.name} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
     if args.gguf and not args.no_llamacpp:
@@ -901,7 +906,8 @@ def _llamacpp_row(args: argparse.Namespace, gguf: Path, gguf_type: str, cfg, sou
     from loom.bench import latency, llamacpp
 
     prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
-    r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats)
+    r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats,
+                              kv_cache_q8_0=args.kv_cache_dtype == "int8")
     row = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],
            "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
     if source:
@@ -981,7 +987,8 @@ def _latency(args: argparse.Namespace) -> None:
         # llama.cpp's weights' bytes per step are not Loom's; a checkpoint's format is its own
         if first["engine"] != "llama.cpp" and "checkpoint" not in first:
             row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
-                                     args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak)
+                                     args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak,
+                                     args.kv_cache_dtype)
         rows.append(row)
     per_round = [_latency_ratios(rnd) for rnd in rounds]
     ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}
@@ -994,11 +1001,13 @@ def _latency(args: argparse.Namespace) -> None:
                  f"({r['step_ms']['other']:.2f} profiled)" if "step_ms" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
-    path = write_report(report_name("latency", model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
+    kind = "latency-kv-int8" if args.kv_cache_dtype == "int8" else "latency"
+    path = write_report(report_name(kind, model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
+                                    "kv_cache_dtype": args.kv_cache_dtype,
                                     "peak_read_GBps": peak / 1e9, "peak_read_GBps_rounds": [p / 1e9 for p in peaks],
                                     "results": rows, "ratios": ratios}, args.out_dir)
-    latency_plot(path.with_suffix(".png"), rows, args.prompt_len, args.threads)
+    latency_plot(path.with_suffix(".png"), rows, args.prompt_len, args.threads, args.kv_cache_dtype)
     print(f"wrote {path}")
 
 
@@ -1009,12 +1018,13 @@ def _variant(row: dict) -> str:
     return row.get("checkpoint") or row.get("quantization") or row["dtype"]
 
 
-def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int) -> None:
+def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int, kv_cache_dtype: str = "auto") -> None:
     """Batch-1 tokens/s of every engine and variant (the `results` of latency.json)."""
     from loom.bench.report import bar_plot
 
     batch1 = [r for r in rows if r["batch"] == 1]
-    bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads",
+    cache = ", 8-bit KV caches" if kv_cache_dtype == "int8" else ""
+    bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads{cache}",
              [f"{ENGINE_LABELS[r['engine']]}\n{_variant(r)}" for r in batch1],
              [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
 
