@@ -82,8 +82,7 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     step_ms["step"] = 1e3 / statistics.median(rates)
     step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
     return {"engine": "loom", "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
-            "batch": batch,
-            "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
+            "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
             "all_steps_per_s": rates, "step_ms": step_ms}
 
 
