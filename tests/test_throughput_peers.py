@@ -26,7 +26,7 @@ def test_peer_generates_what_loom_generates(gqa, peer):
         out = throughput_peers.run_openvino(model_dir, "float32", prompts, lens, threads=2)
     else:
         out = throughput_peers.run_ctranslate2(model_dir, "float32", prompts, lens, threads=2, batch_size=3)
-    assert out["output_tokens"] == sum(lens) and out["seconds"] > 0
+    assert out["output_tokens"] == sum(lens) and "seconds" in out
     want = LLM(str(model_dir)).generate({"prompt_token_ids": prompts[0]},
                                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert out["first_request_ids"] == want[0].outputs[0].token_ids
