@@ -50,6 +50,11 @@ def available_memory_bytes() -> int:
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -67,8 +72,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_kv_policy(self.kv_policy, self.kv_budget, self.kv_recent_ratio)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_policy != "full" and self.kv_budget is None:
             raise ValueError(f"kv_budget: the {self.kv_policy} policy needs a budget (a fraction of the prompt "
                              "or a token count)")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from loom.kernels import load_kernels
 from loom.kv.attention import DecodeScores, PrefillSegment, paged_decode_attention, prefill_attention
-from loom.kv.cache import KVCache
+from loom.kv.cache import KVCache, kv_bytes_per_block
 from loom.kv.scores import HeadScores, row_key
 
 
@@ -92,8 +92,8 @@ def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
     h2o, keyformer = (_scores(policy, batch, context, layers, kv_heads) for policy in ("h2o", "keyformer"))
     p, c, ph, pk, p8 = (t / layers for t in _interleaved(paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer),
                                                          lambda: paged(pool=int8_cache), rounds=rounds, repeats=repeats))
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
-    int8_bytes = 2 * batch * context * kv_heads * (head_dim + 4)  # rows and scales
+    kv_bytes = batch * context * kv_bytes_per_block(1, kv_heads, head_dim, 1, dtype)
+    int8_bytes = batch * context * kv_bytes_per_block(1, kv_heads, head_dim, 1, dtype, "int8")  # rows and scales
     return {"dtype": str(dtype).removeprefix("torch."), "layers": layers, "paged_ms": p * 1e3,
             "contiguous_sdpa_ms": c * 1e3, "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9,
             "contiguous_GBps": kv_bytes / c / 1e9, "scored_h2o_ms": ph * 1e3, "scored_keyformer_ms": pk * 1e3,

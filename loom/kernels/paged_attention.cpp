@@ -77,23 +77,18 @@ inline void prefetch_ahead(const T* cache, const int32_t* table, int64_t j, int6
 }
 
 // An int8 pool's per-token scales (float32, [num_blocks, KVH, BS] for keys and for values): a
-// stored token's K or V is its int8 row times its scale. Null for pools of the model's dtype.
+// stored token's K or V is its int8 row times its scale (a block's, of one kv head: head_block
+// with a stride of BS, one cache line at BS 16). Null for pools of the model's dtype.
 struct KVScales {
   const float* keys = nullptr;
   const float* values = nullptr;
 };
 
-// Block j's scales of kv head kvh: BS floats, one cache line at BS 16.
-inline const float* block_scales(const float* scales, const int32_t* table, int64_t j, int64_t kvh,
-                                 int64_t num_kv_heads, int64_t bs) {
-  return scales + (table[j] * num_kv_heads + kvh) * bs;
-}
-
 // The scales of a sequence's first n stored tokens, in order.
 inline void sequence_scales(const float* scales, const int32_t* table, int64_t n, int64_t kvh, int64_t num_kv_heads,
                             int64_t bs, float* out) {
   for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const float* row = block_scales(scales, table, t0 / bs, kvh, num_kv_heads, bs);
+    const float* row = head_block(scales, table, t0 / bs, kvh, num_kv_heads, bs);
     std::copy(row, row + std::min(bs, n - t0), out + t0);
   }
 }
@@ -606,7 +601,7 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
 #endif
             block_scores<C, BS>(qf.data() + g * head_dim, kblock, head_dim, out);
           if constexpr (quantized) {
-            const float* ks = block_scales(kv_scales.keys, table, j, kvh, num_kv_heads, BS);
+            const float* ks = head_block(kv_scales.keys, table, j, kvh, num_kv_heads, BS);
 #pragma omp simd
             for (int t = 0; t < BS; ++t) out[t] *= ks[t];
           }
@@ -1176,8 +1171,8 @@ void dequantize_blocks(const int8_t* k_cache, const int8_t* v_cache, const KVSca
       const int64_t j = i / num_kv_heads, kvh = i % num_kv_heads;
       const int8_t* k = head_block(k_cache, table, j, kvh, num_kv_heads, stride);
       const int8_t* v = head_block(v_cache, table, j, kvh, num_kv_heads, stride);
-      const float* ks = block_scales(scales.keys, table, j, kvh, num_kv_heads, BS);
-      const float* vs = block_scales(scales.values, table, j, kvh, num_kv_heads, BS);
+      const float* ks = head_block(scales.keys, table, j, kvh, num_kv_heads, BS);
+      const float* vs = head_block(scales.values, table, j, kvh, num_kv_heads, BS);
       T* ko = k_out + i * stride;
       T* vo = v_out + i * stride;
 #ifdef __AVX512F__
@@ -1238,6 +1233,17 @@ void with_block_size(int64_t block_size, const char* op, F&& run) {
     case 16: run(std::integral_constant<int, 16>{}); break;
     case 32: run(std::integral_constant<int, 32>{}); break;
     default: TORCH_CHECK(false, op, " supports block sizes 8, 16 and 32, got ", block_size);
+  }
+}
+
+// Ops that only copy pool elements run on an unsigned type of the element's size.
+template <typename F>
+void with_element_bytes(int64_t bytes, const char* op, F&& run) {
+  switch (bytes) {
+    case 1: run(uint8_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    default: TORCH_CHECK(false, op, " supports 1-, 2- and 4-byte elements");
   }
 }
 
@@ -1513,12 +1519,9 @@ void move_head_slots(at::TensorList keys, at::TensorList values, const at::Tenso
     TORCH_CHECK(mv[4 * i] >= 0 && mv[4 * i] < layers && mv[4 * i + 1] >= 0 && mv[4 * i + 1] < keys[0].size(1) &&
                     mv[4 * i + 2] >= 0 && mv[4 * i + 2] < slots && mv[4 * i + 3] >= 0 && mv[4 * i + 3] < slots,
                 "move ", i, " is outside the pool");
-  switch (keys[0].element_size()) {
-    case 1: move_head_slots_impl<uint8_t>(keys, values, mv, m); break;
-    case 2: move_head_slots_impl<uint16_t>(keys, values, mv, m); break;
-    case 4: move_head_slots_impl<uint32_t>(keys, values, mv, m); break;
-    default: TORCH_CHECK(false, "move_head_slots supports 1-, 2- and 4-byte elements");
-  }
+  with_element_bytes(keys[0].element_size(), "move_head_slots", [&](auto element_tag) {
+    move_head_slots_impl<decltype(element_tag)>(keys, values, mv, m);
+  });
 }
 
 // For each row of scores [R, n] (float32), the index of its lowest score among the entries whose
@@ -1645,18 +1648,12 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(0 <= sl[t] && sl[t] < blocks * bs, "slot ", sl[t], " is outside the pool of ", blocks * bs);
-  auto run = [&](auto element_tag) {
+  with_element_bytes(key_cache.element_size(), "write_kv", [&](auto element_tag) {
     using E = decltype(element_tag);
     write_kv_impl<E>(static_cast<E*>(key_cache.data_ptr()), static_cast<E*>(value_cache.data_ptr()),
                      static_cast<const E*>(k.data_ptr()), static_cast<const E*>(v.data_ptr()), sl, tokens, kvh,
                      head_dim, bs, k.stride(0), v.stride(0));
-  };
-  switch (key_cache.element_size()) {
-    case 1: run(uint8_t{}); break;
-    case 2: run(uint16_t{}); break;
-    case 4: run(uint32_t{}); break;
-    default: TORCH_CHECK(false, "write_kv supports 1-, 2- and 4-byte elements");
-  }
+  });
 }
 
 // Each token's kv head of x [T, KVH, D] as int8 times one scale, for an int8 pool: scale =

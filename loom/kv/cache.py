@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.config import KV_CACHE_DTYPES, EngineConfig
+from loom.config import EngineConfig, check_kv_cache_dtype
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -73,8 +73,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, kernels: bool = False,
                  kv_cache_dtype: str = "auto") -> None:
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        check_kv_cache_dtype(kv_cache_dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype  # the model's: what attention reads the pool as
         self.kernels = kernels  # eager writes and per-head moves by Loom's C++ ops (else plain PyTorch)
