@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,33 @@ MODEL_SPECS = {
     "gpt_neox_parallel": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True)),
     "gpt_neox_serial": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=False)),
 }
+
+
+
+class FakeClock:
+    """Stands in for the `time` module of a benchmark's module: every reading is a millisecond
+    after the one before, and sleeps are real. A test that runs a benchmark's bookkeeping then
+    never reads the machine's clock, and the figures it gets are fixed, not measured."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleep = time.sleep
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """`fake_clock(module, ...)`: those modules read a FakeClock instead of the machine's."""
+    def install(*modules) -> FakeClock:
+        clock = FakeClock()
+        for module in modules:
+            monkeypatch.setattr(module, "time", clock)
+        return clock
+
+    return install
 
 
 def build_hf_model(out_dir: Path, name: str, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,

@@ -515,9 +515,12 @@ def test_chat_page_is_served(server):
 
 @pytest.mark.parametrize("load", [["--concurrency", "4"], ["--request-rate", "50"]])
 @pytest.mark.parametrize("prompts", ["ids", "text"])
-def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
+def test_bench_serve_measures_every_request(server, tmp_path, load, prompts, fake_clock):
+    from loom.bench import serve
     from loom.bench.serve import make_workload
     from loom.cli import main
+
+    fake_clock(serve)  # the client's clock: its figures are not under test
 
     text = ["--tokenizer", str(HOUSE)] if prompts == "text" else []
     main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load, *text,
@@ -534,10 +537,13 @@ def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
     assert server.idle()
 
 
-def test_bench_serve_counts_failed_requests(server):
+def test_bench_serve_counts_failed_requests(server, fake_clock):
     """A refused request and a server that is not there are errors of the run, each with its
     reason, never an exception that loses the other requests' figures."""
+    from loom.bench import serve
     from loom.bench.serve import ServeRequest, benchmark
+
+    fake_clock(serve)
 
     workload = [ServeRequest([5, 6, 7], 3, 4)] * 3
     refused = benchmark(server.url, "no-such-model", workload, concurrency=2)
@@ -579,11 +585,14 @@ def _sse_events(tokens: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("framing", ["chunked", "length", "close", "cut", "short"])
-def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing):
+def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing, fake_clock):
     """The bench's client reads a streamed body in chunks, of a stated length, or ended by the
     connection's close; a chunked stream the server closes before its last chunk, or a body
     shorter than its length, is an error of that request."""
+    from loom.bench import serve
     from loom.bench.serve import ServeRequest, benchmark
+
+    fake_clock(serve)
 
     events = _sse_events(3)
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -681,13 +690,16 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
         s.stop()
 
 
-def test_bench_serve_launches_loom_itself(tmp_path):
+def test_bench_serve_launches_loom_itself(tmp_path, fake_clock):
     """`--launch loom offline --rounds 2`: the server it starts and the same engine in-process take
     turns on the same text prompts, new prompts each round; every request served in both, the
     server timed to its first answer, the ratios the medians of the rounds'."""
     import statistics
 
+    from loom.bench import serve
     from loom.cli import main
+
+    fake_clock(serve)  # the launcher keeps the machine's clock for its start-up deadline
 
     main(["bench", "serve", "--launch", "loom", "offline", "--launch-model", str(HOUSE), "--num-requests", "6",
           "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--rounds", "2",

@@ -157,7 +157,7 @@ def step_overhead(prompt_len: int = 128, steps: int = 32, repeats: int = 3) -> d
     for layers in OVERHEAD_DEPTHS:
         model = reference_model_dir(dict(TINY_LLAMA, num_hidden_layers=layers), name=f"calibrate-tiny-{layers}l")
         for batch in OVERHEAD_BATCHES:
-            run = run_loom(model, "bfloat16", None, batch, prompt_len, steps + 1, repeats)
+            run = run_loom(model, "bfloat16", None, batch, prompt_len, steps + 1, repeats, breakdown=False)
             t[layers, batch] = 1 / max(run["all_steps_per_s"])
     (l0, l1), (b0, b1) = OVERHEAD_DEPTHS, OVERHEAD_BATCHES
 

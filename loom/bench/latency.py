@@ -47,16 +47,24 @@ def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
     return [[(7 * k + 13 * b) % (vocab_size - 3) + 3 for k in range(prompt_len)] for b in range(batch)]
 
 
+def latency_engine(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
+                   kv_cache_dtype: str = "auto") -> LLM:
+    """The engine `run_loom` times: room for `batch` sequences, and a token budget that takes
+    every prompt in one step, so that all the timed steps decode."""
+    return LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
+               max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30,
+               kv_cache_dtype=kv_cache_dtype)
+
+
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
-             repeats: int, kv_cache_dtype: str = "auto") -> dict:
+             repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True) -> dict:
+    """Decode rates of `repeats` timed runs and, with `breakdown`, one more run under the profiler
+    for where a step's time goes (`step_ms`)."""
     # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
     # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
     # after four earlier engines in the same process).
     gc.collect()
-    # A token budget that takes every prompt in one step, so that all the timed steps decode.
-    llm = LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
-              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30,
-              kv_cache_dtype=kv_cache_dtype)
+    llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype)
     vocab_size = llm.engine.config.model_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -75,15 +83,18 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
             engine.step()
             steps += 1
         rates.append(steps / (time.perf_counter() - start))
-    prefill()
-    step_ms = decode_breakdown(engine)
-    # The profiler's own cost lands outside the operators, in "other": the timed steps less the
-    # operators' profiled times give it without (two runs apart, so it carries their spread).
-    step_ms["step"] = 1e3 / statistics.median(rates)
-    step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
-    return {"engine": "loom", "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
-            "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
-            "all_steps_per_s": rates, "step_ms": step_ms}
+    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+              "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
+              "all_steps_per_s": rates}
+    if breakdown:
+        prefill()
+        step_ms = decode_breakdown(engine)
+        # The profiler's own cost lands outside the operators, in "other": the timed steps less the
+        # operators' profiled times give it without (two runs apart, so it carries their spread).
+        step_ms["step"] = 1e3 / statistics.median(rates)
+        step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
+        result["step_ms"] = step_ms
+    return result
 
 
 # Operators by where a decode step's time goes: the linear layers (every kernel their dispatch can
@@ -109,12 +120,18 @@ def decode_breakdown(engine) -> dict[str, float]:
             engine.step()
             steps += 1
         elapsed = time.perf_counter() - start
+    return split_step_time({e.key: e.self_cpu_time_total for e in prof.key_averages()}, steps, elapsed)
+
+
+def split_step_time(self_us: dict[str, float], steps: int, elapsed_s: float) -> dict[str, float]:
+    """ms per step of `steps` steps that took `elapsed_s` in all, given each operator's own time
+    over them (us, children excluded): in all ("profiled_step"), in the linear layers' operators,
+    in attention's, and the rest ("other")."""
     if steps == 0:
         raise ValueError("decode_breakdown: the engine had no decode steps to run")
-    per_step_us = {e.key: e.self_cpu_time_total / steps for e in prof.key_averages()}
-    linear = sum(t for op, t in per_step_us.items() if op in LINEAR_OPS) / 1e3
-    attention = sum(t for op, t in per_step_us.items() if op in ATTENTION_OPS) / 1e3
-    total = elapsed / steps * 1e3
+    linear = sum(t for op, t in self_us.items() if op in LINEAR_OPS) / steps / 1e3
+    attention = sum(t for op, t in self_us.items() if op in ATTENTION_OPS) / steps / 1e3
+    total = elapsed_s / steps * 1e3
     return {"profiled_step": total, "linear": linear, "attention": attention, "other": total - linear - attention}
 
 

@@ -19,7 +19,7 @@ def compare(model_dir: Path, shape: ModelShape, hw: Hardware, weights: str, batc
             max_tokens: int, repeats: int) -> dict:
     """One variant at one batch size: Loom's median step time and the prediction, in ms."""
     dtype, quantization, kv_dtype = VARIANTS[weights]
-    measured = run_loom(model_dir, dtype, quantization, batch, prompt_len, max_tokens, repeats)
+    measured = run_loom(model_dir, dtype, quantization, batch, prompt_len, max_tokens, repeats, breakdown=False)
     # The timed steps attend over prompt_len + 1 .. prompt_len + max_tokens - 1 cached tokens.
     cost = decode_step_cost(shape, hw, batch, weights, prompt_len + max_tokens // 2, kv_dtype)
     step_ms = 1e3 / measured["steps_per_s"]
