@@ -138,25 +138,30 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
     assert len(llm.engine.runner.decode_graphs.graphs) > 2  # the load's two unscored graphs, and the scored
 
 
-def test_guards_are_checked_only_when_a_step_is_shaped_unlike_the_last(hf_models, monkeypatch):
-    """Consecutive decode steps alike in shape reuse the last step's graph without its guards;
-    a new batch size or block-table width checks them again (and still matches eager)."""
+@pytest.mark.parametrize("keep_inputs", [True, False], ids=["inputs-kept", "prologue"])
+def test_guards_are_checked_only_when_a_step_is_shaped_unlike_the_last(hf_models, monkeypatch, keep_inputs):
+    """Consecutive decode steps alike in shape reuse the last step's graph without its guards and
+    (its inputs kept) without its prologue, the step's own tensors put where the last step's
+    were; a new batch size or block-table width checks the guards again. Where an input is
+    neither the model's, the cache's nor the step's (here: no tensor counted as persistent),
+    every step runs the prologue. Both match eager."""
     model_dir, _ = hf_models("llama_gqa")
     eager, _ = run(model_dir, True, dtype="float32")
     llm = LLM(str(model_dir), enforce_eager=False, max_num_seqs=4, dtype="float32")
     graphs = llm.engine.runner.decode_graphs
-    checks, steps = [], []
+    if not keep_inputs:
+        monkeypatch.setattr(graphs, "_persistent", {})
+    checks, shape_changes, kept_runs = [], [], []
     for graph in graphs.graphs:
         monkeypatch.setattr(graph, "guard_check", lambda *a, g=graph.guard_check: checks.append(1) or g(*a))
-    graph_for = graphs._graph_for
-
-    def record(ids, positions, meta):
-        steps.append((ids.shape[0], meta.decode_block_tables.shape[1]))
-        return graph_for(ids, positions, meta)
-
-    monkeypatch.setattr(graphs, "_graph_for", record)
+    record, run_kept = graphs._record, decode_graphs._ShapedStep.run
+    monkeypatch.setattr(graphs, "_record", lambda step, *a: shape_changes.append(step.shapes) or record(step, *a))
+    monkeypatch.setattr(decode_graphs._ShapedStep, "run", lambda step, *a: kept_runs.append(1) or run_kept(step, *a))
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == eager
-    shape_changes = sum(1 for i, s in enumerate(steps) if i == 0 or s != steps[i - 1])
-    assert len(steps) > 2 * shape_changes  # most steps are shaped like the one before
-    assert shape_changes <= len(checks) <= 2 * shape_changes  # each change checks at most both graphs
+    assert all(a != b for a, b in zip(shape_changes, shape_changes[1:]))
+    assert len(shape_changes) <= len(checks) <= 2 * len(shape_changes)  # each change checks at most both graphs
+    if keep_inputs:
+        assert len(kept_runs) > 2 * len(shape_changes)  # most steps are shaped like the one before
+    else:
+        assert kept_runs == []

@@ -11,7 +11,9 @@ model on a 2-core EPYC). A step runs the first graph whose guards accept its inp
 graph accepts compiles a new one, and saves it. A step shaped like the one before it runs that
 one's graph unchecked (as vLLM dispatches its compiled graphs by batch size without Dynamo's
 guards): the engine builds every step's inputs alike, so their shapes are all that tells steps
-apart.
+apart. Such a step also skips the graph's Python prologue, which gathers a couple of hundred
+inputs (every weight, every pool) by attribute lookups at each call: the inputs one call passed
+are kept, and the next steps put their own tensors in the same places.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import hashlib
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +113,41 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return model.forward(ids, positions, cache, meta)
 
 
+def _step_tensors(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
+    """Every tensor a decode step brings of its own (the rest of a graph's inputs are the model's
+    and the cache's)."""
+    rows, widths = meta.decode_dims()
+    return [ids, positions, *(t for t, _ in rows), *(t for t, _ in widths)]
+
+
+def _persistent_tensors(model: torch.nn.Module, cache: KVCache) -> dict[int, torch.Tensor]:
+    """The tensors every step's graph reads as they are, by id: the model's parameters, buffers
+    and tensor attributes, and the KV pools. (Held here, so that no later tensor takes the id of
+    one of them.)"""
+    tensors = [*model.parameters(), *model.buffers(), *(p for pair in cache.pools() for pools in pair for p in pools)]
+    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return {id(t): t for t in tensors}
+
+
+@dataclass
+class _ShapedStep:
+    """The graph serving steps of one shape and, where it could be recorded, the flat input list
+    its prologue builds: the persistent tensors and sizes as they were, and the places of the
+    step's own tensors (`places`: input slot, index into `_step_tensors`)."""
+    shapes: tuple
+    graph: AOTCompiledFunction
+    compiled: Callable[..., Any] | None = None  # what the prologue calls with the flat inputs
+    inputs: list[Any] | None = None
+    places: list[tuple[int, int]] | None = None
+    output: int = 0  # which of the compiled graph's outputs the step returns
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        inputs, step = self.inputs.copy(), _step_tensors(ids, positions, meta)
+        for slot, k in self.places:
+            inputs[slot] = step[k]
+        return self.compiled(*inputs)[self.output]
+
+
 def _step_shapes(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
     """What can differ between two decode steps' inputs as the engine builds them: the sizes of
     every tensor a step's size moves (the block tables, whose width moves too, among them) and
@@ -132,9 +171,11 @@ class DecodeGraphs:
         self._compile = torch.compile(_decode_step, fullgraph=True,
                                       options={**options, "guard_filter_fn": _serializable_guards})
         self.graphs: list[AOTCompiledFunction] = []
-        # The last step's shapes and the graph that accepted them: checking the guards again costs
-        # about 0.1 ms of a 2.8 ms batch-1 step, their data cold after the forward's weights.
-        self._last: tuple[tuple, AOTCompiledFunction] | None = None
+        # The last step's shapes and how they ran: checking the guards again costs about 0.1 ms of
+        # a 2.8 ms batch-1 step, their data cold after the forward's weights, and the prologue
+        # about as much again.
+        self._last: _ShapedStep | None = None
+        self._persistent = _persistent_tensors(model, cache)
         self.num_compiled = 0  # graphs this engine traced, rather than loaded
         for path in sorted(self.dir.glob("*.graph")) if self.saving else ():
             self._load(path)
@@ -163,22 +204,53 @@ class DecodeGraphs:
         self._graph_for(ids, positions, meta)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._graph_for(ids, positions, meta)(self.model, ids, positions, self.cache, meta)
+        shapes, last = _step_shapes(ids, positions, meta), self._last
+        if last is not None and last.shapes == shapes:
+            if last.inputs is not None:
+                return last.run(ids, positions, meta)
+            return last.graph(self.model, ids, positions, self.cache, meta)
+        self._last = _ShapedStep(shapes, self._graph_for(ids, positions, meta))
+        return self._record(self._last, ids, positions, meta)
 
     def _graph_for(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
-        """The graph of the last step if this one is shaped alike; else the first graph whose guards
-        accept these inputs, else one compiled now."""
-        shapes = _step_shapes(ids, positions, meta)
-        if self._last is not None and self._last[0] == shapes:
-            return self._last[1]
+        """The first graph whose guards accept these inputs, else one compiled now."""
         args = (self.model, ids, positions, self.cache, meta)
         graph = self._find(args)
         if graph is None:
             graph = self._add(ids, positions, meta)
             if not graph.guard_check(*args):
                 raise RuntimeError("a decode graph compiled for this step's inputs does not accept them")
-        self._last = (shapes, graph)
         return graph
+
+    def _record(self, step: _ShapedStep, ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Runs a step through `step.graph`'s prologue, recording the flat inputs it passes: kept in
+        `step` for later steps of its shape if each is a persistent tensor, a size, or one of the
+        step's own tensors (else those steps run the prologue too)."""
+        names, name = step.graph.fn.__globals__, step.graph._artifacts.backend_id
+        compiled, seen = names[name], []
+
+        def record(*inputs: Any) -> Any:
+            seen[:] = [inputs, compiled(*inputs)]
+            return seen[1]
+
+        names[name] = record
+        try:
+            out = step.graph(self.model, ids, positions, self.cache, meta)
+        finally:
+            names[name] = compiled
+        (inputs, outputs), own = seen, {id(t): k for k, t in enumerate(_step_tensors(ids, positions, meta))}
+        places = [(slot, own[id(x)]) for slot, x in enumerate(inputs) if id(x) in own]
+        kept = all(id(x) in own or id(x) in self._persistent if isinstance(x, torch.Tensor) else type(x) is int
+                   for x in inputs)
+        output = next((j for j, o in enumerate(outputs) if o is out), None)
+        if kept and output is not None:
+            step.compiled, step.inputs, step.places, step.output = compiled, list(inputs), places, output
+            for slot, _ in places:  # the step's tensors are not kept alive past it
+                step.inputs[slot] = None
+        else:
+            logger.debug("decode graph inputs not kept for steps shaped %s: each runs the prologue", step.shapes)
+        return out
 
     @torch.inference_mode()
     def _add(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
