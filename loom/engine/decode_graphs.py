@@ -227,6 +227,8 @@ class DecodeGraphs:
         """Runs a step through `step.graph`'s prologue, recording the flat inputs it passes: kept in
         `step` for later steps of its shape if each is a persistent tensor, a size, or one of the
         step's own tensors (else those steps run the prologue too)."""
+        # The prologue is `graph.fn`, whose globals name the compiled graph it calls (torch 2.13's
+        # AOTCompiledFunction keeps that name in its artifacts): swapped for a recorder this once.
         names, name = step.graph.fn.__globals__, step.graph._artifacts.backend_id
         compiled, seen = names[name], []
 
