@@ -114,10 +114,10 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
 
 
 def _step_tensors(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
-    """Every tensor a decode step brings of its own (the rest of a graph's inputs are the model's
-    and the cache's)."""
-    rows, widths = meta.decode_dims()
-    return [ids, positions, *(t for t, _ in rows), *(t for t, _ in widths)]
+    """Every tensor a decode step brings of its own, the block tables among them (the rest of a
+    graph's inputs are the model's and the cache's)."""
+    rows, _ = meta.decode_dims()
+    return [ids, positions, *(t for t, _ in rows)]
 
 
 def _persistent_tensors(model: torch.nn.Module, cache: KVCache) -> dict[int, torch.Tensor]:
@@ -141,21 +141,20 @@ class _ShapedStep:
     places: list[tuple[int, int]] | None = None
     output: int = 0  # which of the compiled graph's outputs the step returns
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        inputs, step = self.inputs.copy(), _step_tensors(ids, positions, meta)
+    def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The step whose `_step_tensors` are `tensors`."""
+        inputs = self.inputs.copy()
         for slot, k in self.places:
-            inputs[slot] = step[k]
+            inputs[slot] = tensors[k]
         return self.compiled(*inputs)[self.output]
 
 
-def _step_shapes(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
+def _step_shapes(meta: AttentionMetadata, tensors: list[torch.Tensor]) -> tuple:
     """What can differ between two decode steps' inputs as the engine builds them: the sizes of
-    every tensor a step's size moves (the block tables, whose width moves too, among them) and
+    the step's tensors (`_step_tensors`: the block tables, whose width moves too, among them) and
     which optional inputs are there (their dtypes, devices and layouts are the same at every step;
     the pools never change)."""
-    rows, _ = meta.decode_dims()
-    return (meta.decode_scores is None, meta.row_exchange is None, ids.shape, positions.shape,
-            *(t.shape for t, _ in rows))
+    return (meta.decode_scores is None, meta.row_exchange is None, *(t.shape for t in tensors))
 
 
 class DecodeGraphs:
@@ -204,13 +203,14 @@ class DecodeGraphs:
         self._graph_for(ids, positions, meta)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        shapes, last = _step_shapes(ids, positions, meta), self._last
+        tensors = _step_tensors(ids, positions, meta)
+        shapes, last = _step_shapes(meta, tensors), self._last
         if last is not None and last.shapes == shapes:
             if last.inputs is not None:
-                return last.run(ids, positions, meta)
+                return last.run(tensors)
             return last.graph(self.model, ids, positions, self.cache, meta)
         self._last = _ShapedStep(shapes, self._graph_for(ids, positions, meta))
-        return self._record(self._last, ids, positions, meta)
+        return self._record(self._last, tensors, ids, positions, meta)
 
     def _graph_for(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> AOTCompiledFunction:
         """The first graph whose guards accept these inputs, else one compiled now."""
@@ -222,7 +222,7 @@ class DecodeGraphs:
                 raise RuntimeError("a decode graph compiled for this step's inputs does not accept them")
         return graph
 
-    def _record(self, step: _ShapedStep, ids: torch.Tensor, positions: torch.Tensor,
+    def _record(self, step: _ShapedStep, tensors: list[torch.Tensor], ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Runs a step through `step.graph`'s prologue, recording the flat inputs it passes: kept in
         `step` for later steps of its shape if each is a persistent tensor, a size, or one of the
@@ -241,7 +241,7 @@ class DecodeGraphs:
             out = step.graph(self.model, ids, positions, self.cache, meta)
         finally:
             names[name] = compiled
-        (inputs, outputs), own = seen, {id(t): k for k, t in enumerate(_step_tensors(ids, positions, meta))}
+        (inputs, outputs), own = seen, {id(t): k for k, t in enumerate(tensors)}
         places = [(slot, own[id(x)]) for slot, x in enumerate(inputs) if id(x) in own]
         kept = all(id(x) in own or id(x) in self._persistent if isinstance(x, torch.Tensor) else type(x) is int
                    for x in inputs)
