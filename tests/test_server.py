@@ -621,10 +621,13 @@ def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_er
         assert all(r["output_tokens"] == 3 for r in run["requests"])
 
 
-def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
+def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path, fake_clock):
     """A soak (--duration at a --request-rate) samples the server's resident memory and KV use
     from /metrics while it runs, and finds the KV cache back to idle at its end."""
+    from loom.bench import serve
     from loom.cli import main
+
+    fake_clock(serve)  # the client's clock: its figures are not under test
 
     main(["bench", "serve", "--base-url", server.url, "--model", "house", "--request-rate", "8", "--duration", "3",
           "--prompt-len", "8", "16", "--output-len", "4", "8", "--label", "soak", "--out-dir", str(tmp_path)])

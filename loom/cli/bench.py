@@ -826,7 +826,9 @@ def _serve_http(args: argparse.Namespace, server: Launched | None, workload: lis
     if args.duration:
         result["kv_usage_idle"] = idle.get("kv_cache_usage_perc")
         result["kv_usage_after"] = servers.settled_kv_usage(url, idle.get("kv_cache_usage_perc"))
-        warm = [s for s in result["samples"] if s["t"] >= args.duration / 10 and "rss_bytes" in s]
+        # Samples come every probe_every seconds: the first tenth of them is the run's first tenth.
+        samples = result["samples"]
+        warm = [s for s in samples[len(samples) // 10:] if "rss_bytes" in s]
         after = probe().get("rss_bytes")
         if warm and after:  # growth from the first sample after a tenth of the run to its end
             result["rss_after_bytes"] = after
