@@ -210,6 +210,9 @@ class EngineConfig:
     linear_dispatch: bool = True
     quantization: str | None = None  # "int8" | "int4": quantize weights at load time
     group_size: int = 32             # int4 group size
+    # int4 with a scale per group and no zero point (w = (q - 8) * scale, llama.cpp's Q4_0): 10%
+    # fewer bytes than scales and zeros at group 32, for a coarser fit of each group.
+    symmetric: bool = False
     # "cpp" (Loom's kernel over the paged pool, CPU) or "torch" (plain PyTorch, any device: the
     # reference); None picks cpp on CPU, torch elsewhere.
     attention_backend: str | None = None
@@ -224,6 +227,9 @@ class EngineConfig:
             self.enforce_eager = default_enforce_eager()
         if self.attention_backend is None:
             self.attention_backend = "cpp" if torch.device(self.device).type == "cpu" else "torch"
+        if self.symmetric and self.quantization != "int4":
+            raise ValueError(f"symmetric: chooses int4's format (int8 weights are always symmetric), but quantization "
+                             f"is {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)

@@ -32,7 +32,8 @@ class LLM:
                  max_model_len: int | None = None, preemption_mode: str = "recompute",
                  swap_space: int = 1 << 30, seed: int = 0, device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, group_size: int = 32, enforce_eager: bool | None = None,
+                 quantization: str | None = None, group_size: int = 32, symmetric: bool = False,
+                 enforce_eager: bool | None = None,
                  kv_policy: str = "full", kv_budget: int | float | None = None,
                  kv_recent_ratio: float = 0.3, tensor_parallel_size: int = 1, kv_parallel_size: int = 1,
                  attention_sharding: str = "heads", all_reduce: str = "auto", ffn_layout: str = "1d",
@@ -42,7 +43,7 @@ class LLM:
         (status 0) when rank 0 finishes."""
         config = EngineConfig(
             model=str(model), dtype=resolve_dtype(dtype), device=device, seed=seed, num_threads=num_threads,
-            quantization=quantization, group_size=group_size, enforce_eager=enforce_eager,
+            quantization=quantization, group_size=group_size, symmetric=symmetric, enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,

@@ -8,10 +8,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import random_prompts
 from loom import LLM, SamplingParams
-from loom.bench.latency import ATTENTION_OPS, LINEAR_OPS, kv_bytes, latency_engine, split_step_time
+from loom.bench.latency import ATTENTION_OPS, LINEAR_OPS, kv_bytes, latency_engine, split_step_time, weight_bytes
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.models.config import ModelConfig
+from loom.quant.linear import WeightOnlyLinear
 
 
 def test_breakdown_names_real_operators():
@@ -70,3 +71,17 @@ def test_latency_engine_holds_the_cache_asked_for(gqa):
     """The engine run_loom times holds the KV cache it was given."""
     llm = latency_engine(gqa[0], "bfloat16", None, batch=2, prompt_len=8, kv_cache_dtype="int8")
     assert llm.engine.runner.cache.quantized
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_weight_bytes_are_what_the_layers_hold(gqa, symmetric):
+    """MBU's int4 bytes per step: half a byte a weight, and a bf16 scale (and zero, unless
+    symmetric) per group of 32, over every linear layer the engine quantized."""
+    llm = latency_engine(gqa[0], "bfloat16", "int4", batch=1, prompt_len=8, symmetric=symmetric)
+    held = 0
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, WeightOnlyLinear):
+            q, scales, zeros = m.portable()
+            held += q.numel() / 2 + 2 * scales.numel() + (0 if zeros is None else 2 * zeros.numel())
+    assert (zeros is None) == symmetric
+    assert weight_bytes(ModelConfig.from_dir(gqa[0]), "bfloat16", "int4", symmetric=symmetric) == held

@@ -37,6 +37,8 @@ def test_bad_option_value(capsys, hf_models, tmp_path):
     assert code == 1 and err == "loom: error: max_tokens: must be >= 1, got 0\n"
     code, err = run(capsys, "quantize", str(model_dir), str(tmp_path / "q"), "--method", "int4", "--group-size", "48")
     assert code == 1 and err == "loom: error: group_size: must be one of (32, 64, 128), got 48\n"
+    code, err = run(capsys, "quantize", str(model_dir), str(tmp_path / "q"), "--method", "int8", "--symmetric")
+    assert code == 1 and "--symmetric: chooses int4's format" in err and not (tmp_path / "q").exists()
 
 
 def test_debug_shows_the_traceback(capsys):

@@ -26,8 +26,9 @@ def run(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="int4")],
-                         ids=["fp32", "bf16-int4"])
+@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="int4"),
+                                    dict(dtype="bfloat16", quantization="int4", symmetric=True)],
+                         ids=["fp32", "bf16-int4", "bf16-int4-symmetric"])
 def test_compiled_decode_matches_eager(hf_models, kwargs):
     model_dir, _ = hf_models("llama_gqa")
     eager, _ = run(model_dir, True, **kwargs)

@@ -108,7 +108,7 @@ def test_four_bit_blocks_keep_their_codes():
 
 def test_int4_conversion_keeps_the_gguf_weights(tmp_path):
     """A Q4_0 file to Loom's int4 checkpoint: every projection holds the file's own weights, up to
-    the bf16 rounding of its scales and zeros (2^-9 relative each); the head, tied to the
+    the bf16 rounding of its scales (2^-9 relative), symmetric as Q4_0 is; the head, tied to the
     embedding, stays in floating point. The checkpoint's logits track transformers' on the
     dequantized file."""
     from safetensors.torch import load_file
@@ -130,8 +130,8 @@ def test_int4_conversion_keeps_the_gguf_weights(tmp_path):
         fragments = [f for f, (packed, _) in sorted(model.packed_params.items(), key=lambda kv: kv[1][1])
                      if packed == attr] or [attr]
         want = torch.cat([dequantized[f"model.{parent}.{f}.weight"] for f in fragments]).float()
-        step = (q.float() - 8).abs().reshape(*scales.shape, -1) * scales.float().abs()[..., None]
-        bound = (step + zeros.float().abs()[..., None]) * 2**-8 + 1e-7
+        assert zeros is None and module.symmetric, name
+        bound = (q.float() - 8).abs().reshape(*scales.shape, -1) * scales.float().abs()[..., None] * 2**-8 + 1e-7
         assert ((got - want).abs().reshape(bound.shape) <= bound).all(), name
         checked += 1
     assert checked == 6 * 4  # qkv, o, gate_up, down in each of the house model's 6 layers
@@ -211,7 +211,7 @@ def test_convert_command(tmp_path, capsys, round_trip):
           "--int4"])
     assert "left in float32 (no 4-bit codes in the file): lm_head" in capsys.readouterr().out
     quantization = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
-    assert quantization["method"] == "int4" and quantization["group_size"] == 32
+    assert quantization["method"] == "int4" and quantization["group_size"] == 32 and quantization["symmetric"]
     assert quantization["modules_to_not_convert"] == ["lm_head"]
     assert (tmp_path / "int4" / "chat_template.jinja").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind

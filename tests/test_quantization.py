@@ -29,6 +29,19 @@ def test_quantization_error_bounds():
         err = (dequantize_int4(q4, scale, zero) - w).abs().reshape(64, -1, g)
         assert (err <= scale[..., None] / 2 + 1e-5).all()
         assert torch.equal(unpack_int4(pack_int4(q4)), q4)
+        # Symmetric (Q4_0): the group's largest magnitude is exactly -8 steps; the rest round to the
+        # nearest step, up to +7 steps (the other sign's largest can clip by up to a step).
+        q4, scale, zero = quantize_int4(w, g, symmetric=True)
+        assert zero is None and q4.min() >= 0 and q4.max() <= 15
+        groups = w.reshape(64, -1, g)
+        err = (dequantize_int4(q4, scale, None) - w).abs().reshape(64, -1, g)
+        extreme = groups.abs().argmax(dim=-1, keepdim=True)
+        assert (err.gather(-1, extreme) <= 1e-6).all() and (q4.reshape(64, -1, g).gather(-1, extreme) == 0).all()
+        inside = (groups / scale[..., None]).abs() <= 7.5
+        step = scale.abs()[..., None].expand_as(err)
+        assert (err[inside] <= step[inside] / 2 + 1e-5).all() and (err <= step + 1e-5).all()
+    q4, scale, _ = quantize_int4(torch.zeros(2, 32), 32, symmetric=True)  # an all-zero group
+    assert (q4 == 8).all() and (scale == 0).all()
     # The kernels' panel layouts pad output channels to a multiple of 32 (and int8 inputs to 4).
     for n, k in ((5, 96), (32, 256), (70, 416)):
         q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -42,11 +55,13 @@ def test_quantization_error_bounds():
 # Odd in_features and out_features not a multiple of 32 exercise the panel layouts' padding;
 # tokens cover the row tilings (AVX-512: 1-2 rows alternate accumulators, tiles of at most 6 rows;
 # AVX2: tiles of at most 2 rows).
-@pytest.mark.parametrize("method, group_size, in_features, out_features",
-                         [("int8", 32, 200, 96), ("int8", 32, 201, 70), ("int4", 32, 160, 96), ("int4", 64, 192, 70),
-                          ("int4", 128, 384, 96), ("int4", 32, 256, 33)])
+@pytest.mark.parametrize("method, group_size, in_features, out_features, symmetric",
+                         [("int8", 32, 200, 96, False), ("int8", 32, 201, 70, False), ("int4", 32, 160, 96, False),
+                          ("int4", 64, 192, 70, False), ("int4", 128, 384, 96, False), ("int4", 32, 256, 33, False),
+                          ("int4", 32, 160, 70, True), ("int4", 128, 384, 96, True)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 9, 64])
-def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, out_features, tokens):
+def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_features, out_features, symmetric,
+                                                       tokens):
     """Each kernel against x @ dequant(W)^T in fp64.
     The weight-only kernel computes exactly with x rounded to int8 in groups of inputs (int8: 64,
     int4: 32; s_g = max|x over group g| / 127, |x - s_g round(x / s_g)| <= s_g / 2): its error is at most
@@ -55,7 +70,9 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
     error (max abs / max |ref|) < 1%."""
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=True)
-    layer = WeightOnlyLinear.from_linear(linear, method, group_size, ((8, "weight_only"), (9, "dequantized")))
+    layer = WeightOnlyLinear.from_linear(linear, method, group_size, ((8, "weight_only"), (9, "dequantized")),
+                                         symmetric=symmetric)
+    assert layer.symmetric == (method == "int8" or symmetric)
     w = layer.reference_weight().double()
     x = torch.randn(tokens, in_features) * torch.linspace(0.01, 3, in_features)  # uneven magnitudes, as activations
     for dtype in (torch.float32, torch.bfloat16):
@@ -79,7 +96,7 @@ def test_both_kernels_match_dequantized_fp32_reference(method, group_size, in_fe
     assert (full.double() - ref).abs().max() / ref.abs().max() < 0.01  # past 8 tokens: the dequantized GEMM
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4-symmetric"])
 def test_integer_dot_products_at_their_extremes(method):
     """Every weight code and every activation at its largest magnitude (int8: |q| = 127, int4:
     q = 15 but one per group; inputs all +-1, so each is 127 as int8): the integer sums are exact,
@@ -89,11 +106,17 @@ def test_integer_dot_products_at_their_extremes(method):
     n, k = 64, 256
     if method == "int8":
         w = torch.where(torch.rand(n, k) < 0.5, -0.01, 0.01)
-    else:
+    elif method == "int4":
         w = torch.ones(n, k)
         w[:, ::32] = 0.0  # one 0 per group of 32: codes 15, and one 0
-    layer = WeightOnlyLinear.from_linear(nn.Linear(k, n, bias=False), method, 32, ((1, "weight_only"),))
-    layer.load_quantized(*(quantize_int8(w) if method == "int8" else quantize_int4(w, 32)))
+    else:
+        w = torch.full((n, k), 0.875)
+        w[:, ::32] = -1.0  # one -8 steps per group, the rest +7: codes 15, and one 0
+    layer = WeightOnlyLinear.from_linear(nn.Linear(k, n, bias=False), method[:4], 32, ((1, "weight_only"),))
+    layer.load_quantized(*(quantize_int8(w) if method == "int8" else
+                           quantize_int4(w, 32, symmetric=method == "int4-symmetric")))
+    if method != "int8":
+        assert layer.portable()[0].max() == 15
     x = torch.ones(2, k)
     x[1] = -1
     ref = x.double() @ layer.reference_weight().double().t()
@@ -128,8 +151,8 @@ def test_plans_read_from_calibration_file(tmp_path, monkeypatch, hf_models):
     assert layers and all(m.plan == ((8, "dequantized"), (9, "dequantized_fp32")) for m in layers)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_engine_tracks_dequantized_weights(hf_models, method):
+@pytest.mark.parametrize("method, symmetric", [("int8", False), ("int4", False), ("int4", True)])
+def test_quantized_engine_tracks_dequantized_weights(hf_models, method, symmetric):
     """The obviously-right reference: the same model in fp32 with every linear weight replaced
     by its dequantized value. What separates the two is the kernels' int8 copy of the
     activations (and int4's bf16 scales). Over each prompt and 40 tokens the quantized engine
@@ -144,8 +167,8 @@ def test_quantized_engine_tracks_dequantized_weights(hf_models, method):
                 if method == "int8":
                     m.weight.copy_(dequantize_int8(*quantize_int8(m.weight)))
                 else:
-                    m.weight.copy_(dequantize_int4(*quantize_int4(m.weight, 32)))
-    llm = LLM(str(model_dir), quantization=method)
+                    m.weight.copy_(dequantize_int4(*quantize_int4(m.weight, 32, symmetric)))
+    llm = LLM(str(model_dir), quantization=method, symmetric=symmetric)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         ids = prompt["prompt_token_ids"] + llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -153,17 +176,24 @@ def test_quantized_engine_tracks_dequantized_weights(hf_models, method):
         assert_tracks(llm, ref, ids, max_error=0.6, mean_error=0.1, agreement=0.85)
 
 
-@pytest.mark.parametrize("method, group_size", [("int8", 32), ("int4", 32), ("int4", 64)])
-def test_quantized_checkpoint_round_trip(hf_models, tmp_path, capsys, method, group_size):
+@pytest.mark.parametrize("method, group_size, symmetric", [("int8", 32, False), ("int4", 32, False),
+                                                           ("int4", 64, False), ("int4", 32, True)])
+def test_quantized_checkpoint_round_trip(hf_models, tmp_path, capsys, method, group_size, symmetric):
+    from safetensors import safe_open
+
     from loom.cli import main
 
     model_dir, _ = hf_models("qwen2_bias")
     dst = tmp_path / "q"
-    main(["quantize", str(model_dir), str(dst), "--method", method, "--group-size", str(group_size)])
+    main(["quantize", str(model_dir), str(dst), "--method", method, "--group-size", str(group_size),
+          *(["--symmetric"] if symmetric else [])])
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["method"] == method
-    at_load = LLM(str(model_dir), quantization=method, group_size=group_size).generate(PROMPTS, GREEDY,
-                                                                                       use_tqdm=False)
+    assert config["quantization_config"].get("symmetric", False) == symmetric
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        assert any(key.endswith(".zeros") for key in f.keys()) == (method == "int4" and not symmetric)
+    at_load = LLM(str(model_dir), quantization=method, group_size=group_size,
+                  symmetric=symmetric).generate(PROMPTS, GREEDY, use_tqdm=False)
     saved = LLM(str(dst)).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in saved] == [o.outputs[0].token_ids for o in at_load]
     with pytest.raises(SystemExit):
@@ -177,6 +207,11 @@ def test_quantized_checkpoint_round_trip(hf_models, tmp_path, capsys, method, gr
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"modules_to_not_convert names no linear layer.*no_such_proj"):
         LLM(str(dst))
+    if symmetric:  # the config says what the layers hold: without the flag, they lack their zeros
+        del config["quantization_config"]["modules_to_not_convert"], config["quantization_config"]["symmetric"]
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=r"lacks \['zeros'\]"):
+            LLM(str(dst))
 
 
 def test_bad_options(hf_models):
@@ -187,6 +222,9 @@ def test_bad_options(hf_models):
         LLM(str(model_dir), quantization="int4", group_size=48)
     with pytest.raises(ValueError, match="unknown method"):
         LLM(str(model_dir), quantization="int3")
+    for quantization in (None, "int8"):
+        with pytest.raises(ValueError, match="symmetric: chooses int4's format"):
+            LLM(str(model_dir), quantization=quantization, symmetric=True)
 
 
 def test_weights_from_an_unaligned_buffer(tmp_path):

@@ -18,14 +18,16 @@ from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = 32) -> float:
+def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = 32,
+                 symmetric: bool = False) -> float:
     """Bytes of weights a decode step reads: every linear layer (and the head) once; the
     embedding contributes one row per token, which is negligible."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     kv = cfg.num_kv_heads * cfg.head_dim
     linear = cfg.num_layers * (h * (cfg.num_heads * cfg.head_dim) * 2 + 2 * h * kv + 3 * h * i) + h * v
     per_weight = {None: 4 if dtype == "float32" else 2, "int8": 1, "int4": 0.5}[quantization]
-    extra = {None: 0, "int8": 4 / h, "int4": 4 / group_size}[quantization]  # fp32 row scales; bf16 group scales + zeros
+    # fp32 row scales; bf16 group scales and zeros (scales only if symmetric)
+    extra = {None: 0, "int8": 4 / h, "int4": (2 if symmetric else 4) / group_size}[quantization]
     return linear * (per_weight + extra)
 
 
@@ -36,9 +38,10 @@ def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int, kv_cache_dt
 
 
 def mbu(cfg: ModelConfig, dtype: str, quantization: str | None, batch: int, mean_context: int,
-        steps_per_s: float, peak_bytes_per_s: float, kv_cache_dtype: str = "auto") -> float:
+        steps_per_s: float, peak_bytes_per_s: float, kv_cache_dtype: str = "auto", symmetric: bool = False) -> float:
     """Achieved share of the peak: bytes one decode step reads x steps per second / peak."""
-    step_bytes = weight_bytes(cfg, dtype, quantization) + kv_bytes(cfg, dtype, mean_context, batch, kv_cache_dtype)
+    step_bytes = (weight_bytes(cfg, dtype, quantization, symmetric=symmetric)
+                  + kv_bytes(cfg, dtype, mean_context, batch, kv_cache_dtype))
     return step_bytes * steps_per_s / peak_bytes_per_s
 
 
@@ -48,23 +51,23 @@ def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
 
 
 def latency_engine(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
-                   kv_cache_dtype: str = "auto") -> LLM:
+                   kv_cache_dtype: str = "auto", symmetric: bool = False) -> LLM:
     """The engine `run_loom` times: room for `batch` sequences, and a token budget that takes
     every prompt in one step, so that all the timed steps decode."""
-    return LLM(str(model_dir), dtype=dtype, quantization=quantization, max_num_seqs=max(batch, 1),
-               max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_memory=1 << 30,
-               kv_cache_dtype=kv_cache_dtype)
+    return LLM(str(model_dir), dtype=dtype, quantization=quantization, symmetric=symmetric,
+               max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * prompt_len),
+               kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype)
 
 
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
-             repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True) -> dict:
+             repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True, symmetric: bool = False) -> dict:
     """Decode rates of `repeats` timed runs and, with `breakdown`, one more run under the profiler
     for where a step's time goes (`step_ms`)."""
     # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
     # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
     # after four earlier engines in the same process).
     gc.collect()
-    llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype)
+    llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric)
     vocab_size = llm.engine.config.model_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -83,7 +86,8 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
             engine.step()
             steps += 1
         rates.append(steps / (time.perf_counter() - start))
-    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "symmetric": symmetric,
+              "kv_cache_dtype": kv_cache_dtype,
               "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
               "all_steps_per_s": rates}
     if breakdown:

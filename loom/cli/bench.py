@@ -659,15 +659,18 @@ def _quality(args: argparse.Namespace) -> None:
     lines = [line for line in heldout.split("\n") if len(line) > 20]
     prompts = [rng.choice(lines) for _ in range(64)]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    # (label, checkpoint, dtype, quantization, KV cache dtype); the first is the reference of the others.
-    variants = [("bfloat16", model, "bfloat16", None, "auto"), ("float32", model, "float32", None, "auto"),
-                ("bfloat16, int8 KV cache", model, "bfloat16", None, "int8"),
-                *((method, model, "bfloat16", method, "auto") for method in args.quantization),
-                *((path.name, str(path), "bfloat16", None, "auto") for path in args.checkpoints)]
+    # (label, checkpoint, dtype, quantization, int4 symmetric, KV cache dtype); the first is the
+    # reference of the others.
+    variants = [("bfloat16", model, "bfloat16", None, False, "auto"), ("float32", model, "float32", None, False, "auto"),
+                ("bfloat16, int8 KV cache", model, "bfloat16", None, False, "int8"),
+                *((method, model, "bfloat16", method, False, "auto") for method in args.quantization),
+                *([("int4, symmetric", model, "bfloat16", "int4", True, "auto")] if "int4" in args.quantization else []),
+                *((path.name, str(path), "bfloat16", None, False, "auto") for path in args.checkpoints)]
     rows: dict[str, dict] = {}
     reference: list[list[int]] = []
-    for label, checkpoint, dtype, method, kv_cache_dtype in variants:
-        llm = LLM(checkpoint, dtype=dtype, quantization=method, group_size=32, kv_cache_dtype=kv_cache_dtype)
+    for label, checkpoint, dtype, method, symmetric, kv_cache_dtype in variants:
+        llm = LLM(checkpoint, dtype=dtype, quantization=method, group_size=32, symmetric=symmetric,
+                  kv_cache_dtype=kv_cache_dtype)
         row = rows[label] = quality.heldout_loss(llm, heldout, args.window)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if not reference:
@@ -865,9 +868,10 @@ def _unigram_nats_per_char(tokenizer, train_text: str, heldout: str) -> float:
         / len(heldout)
 
 
-# Loom variants of `loom bench latency` and the llama.cpp type each is compared with.
-LATENCY_VARIANTS = [("float32", None, "f32"), ("bfloat16", None, "bf16"), ("bfloat16", "int8", "q8_0"),
-                    ("bfloat16", "int4", "q4_0")]
+# Loom variants of `loom bench latency` (dtype, quantization, int4 symmetric) and the llama.cpp type
+# each is compared with. int4 as Q4_0 holds it: symmetric, group 32, the same bytes per weight.
+LATENCY_VARIANTS = [("float32", None, False, "f32"), ("bfloat16", None, False, "bf16"),
+                    ("bfloat16", "int8", False, "q8_0"), ("bfloat16", "int4", True, "q4_0")]
 
 
 def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
@@ -875,10 +879,10 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
     from loom.bench import latency, llamacpp
 
     rows = []
-    for dtype, quant, gguf_type in LATENCY_VARIANTS:
+    for dtype, quant, symmetric, gguf_type in LATENCY_VARIANTS:
         for batch in args.batches:
             r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats,
-                                 args.kv_cache_dtype)
+                                 args.kv_cache_dtype, symmetric=symmetric)
             rows.append(r)
             print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a step, ms: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()), flush=True)
@@ -933,7 +937,7 @@ def _latency_ratios(rows: list[dict]) -> dict[str, float]:
         return None
 
     ratios = {}
-    for dtype, quant, gguf_type in LATENCY_VARIANTS:
+    for dtype, quant, _, gguf_type in LATENCY_VARIANTS:
         name = quant or dtype
         loom1 = rate("loom", dtype, 1, quant)
         peers = {f"{name} / llama.cpp {gguf_type}": rate("llama.cpp", gguf_type, 1),
@@ -990,7 +994,7 @@ def _latency(args: argparse.Namespace) -> None:
         if first["engine"] != "llama.cpp" and "checkpoint" not in first:
             row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
                                      args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak,
-                                     args.kv_cache_dtype)
+                                     args.kv_cache_dtype, row.get("symmetric", False))
         rows.append(row)
     per_round = [_latency_ratios(rnd) for rnd in rounds]
     ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}

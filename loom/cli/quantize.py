@@ -1,4 +1,4 @@
-"""`loom quantize SRC DST --method int4 --group-size 32`."""
+"""`loom quantize SRC DST --method int4 --group-size 32 [--symmetric]`."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dst", type=Path, help="output directory")
     p.add_argument("--method", choices=["int8", "int4"], default="int8")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int4 scales only, no zero points (llama.cpp's Q4_0 at group 32)")
     p.set_defaults(func=_run)
 
 
-def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> None:
+def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int, symmetric: bool = False) -> None:
     """Loads `src`, quantizes every linear layer and writes the result to `dst`."""
     import torch
 
@@ -28,11 +30,14 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> N
     if config.quantization is not None:
         raise ValueError(f"{src}: already quantized ({config.quantization}); quantize the original")
     check_options(method, group_size)
+    if symmetric and method != "int4":
+        raise ValueError(f"--symmetric: chooses int4's format (int8 weights are always symmetric), not {method}'s")
     model = load_model(src, torch.float32, cfg=config)
-    quantize_model(model, method, group_size)
+    quantize_model(model, method, group_size, symmetric=symmetric)
     write_quantized_checkpoint(model, src, dst)
 
 
 def _run(args: argparse.Namespace) -> None:
-    quantize_checkpoint(args.src, args.dst, args.method, args.group_size)
-    print(f"wrote {args.dst} ({args.method}{f', group {args.group_size}' if args.method == 'int4' else ''})")
+    quantize_checkpoint(args.src, args.dst, args.method, args.group_size, args.symmetric)
+    form = f", group {args.group_size}{', symmetric' if args.symmetric else ''}" if args.method == "int4" else ""
+    print(f"wrote {args.dst} ({args.method}{form})")

@@ -16,7 +16,8 @@
 //   int4: q [ceil(N/32), K/8 * 128] uint8, K a multiple of 32. Octet d (inputs 8d .. 8d + 7) of
 //         panel P is two halves of 64 bytes; byte 4j + t of half h holds weight (32P + 16h + j,
 //         8d + t) in its low nibble and (.., 8d + 4 + t) in its high nibble. scale, zero
-//         [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4 convention).
+//         [ceil(N/32), K/G, 32] bf16; w = (q - 8) * scale + zero (torch's int4 convention), or
+//         with no zero (symmetric: llama.cpp's Q4_0) w = (q - 8) * scale.
 //
 // The weight-only kernels never turn weights into floats (the costly step on CPUs without fp16
 // arithmetic). Each row of x is quantized to int8 in groups of inputs (64 for int8 weights, 32
@@ -47,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -581,7 +583,7 @@ inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const u
 
 // MR rows of x times one int4 panel. Per activation group (4 octets) and row: sum(q a) in int32
 // (low nibbles meet inputs 8d .. 8d + 3, high nibbles 8d + 4 .. 8d + 7), then with the weight
-// group's scale and zero, total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
+// group's scale and zero (none: 0), total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
 template <int MR, typename Out>
 inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
                       const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
@@ -609,7 +611,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int h = 0; h < 2; ++h) {
       const __m512 ws = widen_bf16(scale + wg * kPanel + 16 * h);
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h));
+      const __m512 offset = zero ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h))
+                                 : _mm512_mul_ps(_mm512_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;
         for (int u = 1; u < U; ++u) acc[0][m][h] = _mm512_add_epi32(acc[0][m][h], acc[u][m][h]);
@@ -714,7 +717,7 @@ inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const u
 // MR rows of x times one int4 panel. Per activation group (4 octets) and row: sum(q a) with
 // vpmaddubsw (q in 0..15 unsigned, a int8), accumulated in int16 over the group (at most
 // 8 x 2 x 15 x 127 = 30480, no saturation), widened to int32 once; then as the AVX-512 path,
-// total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
+// total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)), zero 0 where there is none.
 template <int MR, typename Out>
 inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
                       const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
@@ -740,7 +743,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int i = 0; i < 4; ++i) {
       const __m256 ws = widen_bf16(scale + wg * kPanel + 8 * i);
-      const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i));
+      const __m256 offset = zero ? _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i))
+                                 : _mm256_mul_ps(_mm256_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][i], ones)), ws,
@@ -774,20 +778,25 @@ void check_int8(const at::Tensor& q, const at::Tensor& scale, int64_t K) {
               N, ", K = ", K);
 }
 
-void check_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size, int64_t K) {
+// The zero points' bf16 values, or null for a symmetric matrix (none given).
+const uint16_t* check_int4(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                           int64_t group_size, int64_t K) {
   TORCH_CHECK((group_size == 32 || group_size == 64 || group_size == 128) && K % group_size == 0,
               "int4: group size must be 32, 64 or 128 and divide K = ", K);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) == K / 8 * 128,
               "int4: q must be contiguous uint8 [ceil(N/32), K/8 * 128] (the panel layout)");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
-                  zero.is_contiguous() && scale.dim() == 3 && scale.sizes() == zero.sizes() &&
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.dim() == 3 &&
                   scale.size(0) == q.size(0) && scale.size(1) == K / group_size && scale.size(2) == kPanel,
-              "int4: scale and zero must be bf16 [ceil(N/32), K/G, 32]");
+              "int4: scale must be bf16 [ceil(N/32), K/G, 32]");
+  if (!zero) return nullptr;
+  TORCH_CHECK(zero->scalar_type() == at::kBFloat16 && zero->is_contiguous() && zero->sizes() == scale.sizes(),
+              "int4: zero must be bf16 [ceil(N/32), K/G, 32], as scale");
+  return reinterpret_cast<const uint16_t*>(zero->data_ptr<at::BFloat16>());
 }
 
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t K);
-at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
-                           int64_t K, int64_t N);
+at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                           int64_t group_size, int64_t K, int64_t N);
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x [M, K]");
@@ -805,21 +814,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #endif
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero,
-                       int64_t group_size, int64_t N) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& zero, int64_t group_size, int64_t N) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  check_int4(q, scale, zero, group_size, K);
+  [[maybe_unused]] const uint16_t* zp = check_int4(q, scale, zero, group_size, K);
   TORCH_CHECK(q.size(0) == panels(N), "int4_linear: q has ", q.size(0), " panels, expected ", panels(N));
 #ifdef LOOM_LINEAR_PANELS
   const int64_t groups = K / group_size;
   const QuantizedRows a = quantize_rows(x, K, kInt4ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
   return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
     int4_tile<decltype(rows)::value>(a, m0, group_size, qp + p * (K / 8) * 128, sp + p * groups * kPanel,
-                                     zp + p * groups * kPanel, N - p * kPanel, y, N);
+                                     zp ? zp + p * groups * kPanel : nullptr, N - p * kPanel, y, N);
   });
 #else
   return output_like(at::linear(x.to(at::kBFloat16), int4_dequantize(q, scale, zero, group_size, K, N)).to(at::kFloat), x);
@@ -891,13 +899,13 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t
 #endif
 }
 
-at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
-                           int64_t K, int64_t N) {
-  check_int4(q, scale, zero, group_size, K);
+at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                           int64_t group_size, int64_t K, int64_t N) {
+  const uint16_t* zp = check_int4(q, scale, zero, group_size, K);
   const int64_t groups = K / group_size, octets = K / 8;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  auto zero_at = [&](int64_t at) { return zp ? bf16_to_float(zp[at]) : 0.f; };
 #ifdef LOOM_LINEAR_AVX512
   // After the transpose, lane i of a channel's vector holds its octet c + i: low nibbles are
   // inputs 8(c + i) + t, high nibbles 8(c + i) + 4 + t. Interleaving the two nibble vectors by
@@ -911,7 +919,7 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
       if (k0 >= K) break;
       const int64_t at = ((n / kPanel) * groups + k0 / group_size) * kPanel + n % kPanel;
       const float s = bf16_to_float(sp[at]);
-      const __m512 vs = _mm512_set1_ps(s), offset = _mm512_set1_ps(bf16_to_float(zp[at]) - 8.f * s);
+      const __m512 vs = _mm512_set1_ps(s), offset = _mm512_set1_ps(zero_at(at) - 8.f * s);
       for (int e = 0; e < 2; ++e) {
         const __m512i qv = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(halves[e], lane));
         store_bf16(out, k0 + 16 * e, K, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qv), vs, offset));
@@ -922,7 +930,7 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const a
   return dequantize_plain(N, K, q, [&](int64_t n, int64_t k) {
     const int64_t at = ((n / kPanel) * groups + k / group_size) * kPanel + n % kPanel;
     const float s = bf16_to_float(sp[at]);
-    return (int4_at(qp, octets, n, k) - 8) * s + bf16_to_float(zp[at]);
+    return (int4_at(qp, octets, n, k) - 8) * s + zero_at(at);
   });
 #endif
 }
@@ -945,9 +953,9 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("linear_isa() -> str", &linear_isa);
   m.def("dense_linear(Tensor x, Tensor w, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor zero, int group_size, int out_features) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int group_size, int out_features) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, int in_features) -> Tensor");
-  m.def("int4_dequantize(Tensor q, Tensor scale, Tensor zero, int group_size, int in_features, int out_features) -> Tensor");
+  m.def("int4_dequantize(Tensor q, Tensor scale, Tensor? zero, int group_size, int in_features, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom, CPU, m) {

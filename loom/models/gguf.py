@@ -285,8 +285,11 @@ def _four_bit_codes(reader: Any, path: Path, model: nn.Module) -> dict[str, tupl
 
 def _use_int4_layers(model: nn.Module, codes: dict[str, tuple[torch.Tensor, ...]]) -> list[str]:
     """Swaps each nn.Linear of `model` whose checkpoint tensors all have codes for an int4
-    WeightOnlyLinear built from them; returns the names of the others."""
+    WeightOnlyLinear built from them; returns the names of the others. Layers of a file whose
+    codes are all Q4_0 (every zero 0) are symmetric: no zeros are kept."""
     from loom.quant.linear import WeightOnlyLinear
+
+    symmetric = all(not zero.any() for _, _, zero in codes.values())
 
     by_shard = sorted(model.packed_params.items(), key=lambda item: item[1][1])
     kept = []
@@ -299,7 +302,8 @@ def _use_int4_layers(model: nn.Module, codes: dict[str, tuple[torch.Tensor, ...]
             continue
         bias = None if linear.bias is None else linear.bias.detach()
         layer = WeightOnlyLinear(linear.in_features, linear.out_features, "int4", 32, bias)
-        layer.load_quantized(*(torch.cat(parts) for parts in zip(*(codes[s] for s in shards))))
+        q, scales, zeros = (torch.cat(parts) for parts in zip(*(codes[s] for s in shards)))
+        layer.load_quantized(q, scales, None if symmetric else zeros)
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     return kept
 

@@ -59,7 +59,8 @@ def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> 
     model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
     model.set_attention_backend(config.attention_backend)
     if config.quantization is not None:
-        quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver)
+        quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver,
+                       symmetric=config.symmetric)
     if parallel is not None and parallel.tp_size > 1:
         shard_model(model, parallel)
     if torch.device(config.device).type == "cpu":

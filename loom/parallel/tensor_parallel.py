@@ -92,7 +92,7 @@ def keep_columns(layer: Layer, columns: slice, name: str, state: ParallelState) 
         raise ValueError(f"tensor_parallel_size: {name}'s input splits at {columns.start}..{columns.stop}, which "
                          f"int4 groups of {g} inputs would straddle; use a group size dividing each rank's share")
     groups = slice(columns.start // g, columns.stop // g)
-    part.load_quantized(q[:, columns], scales[:, groups], zeros[:, groups])
+    part.load_quantized(q[:, columns], scales[:, groups], None if zeros is None else zeros[:, groups])
     return part
 
 

@@ -2,7 +2,8 @@
 
 The directory keeps the source's config.json (plus a `quantization_config` section) and
 tokenizer files; model.safetensors holds, in Loom's module names (q/k/v and gate/up merged),
-each quantized layer's `qweight` (int8, or int4 two per byte), `scales` and (int4) `zeros`,
+each quantized layer's `qweight` (int8, or int4 two per byte), `scales` and (int4, unless the
+config says `symmetric`) `zeros`,
 and every other tensor as it was. Linear layers left in floating point are listed in the
 config's `modules_to_not_convert`, as transformers' quantization configs name them. Nothing in it depends on the machine that wrote it: the
 kernels' packed layouts are rebuilt at load time.
@@ -49,6 +50,11 @@ def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Pat
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
     config = read_hf_config(src)
     config["quantization_config"] = {"quant_method": QUANT_FORMAT, "method": method, "group_size": group_size}
+    if method == "int4":
+        symmetric = {m.symmetric for m in layers.values()}
+        if len(symmetric) > 1:
+            raise ValueError(f"{src}: the model's int4 layers mix symmetric ones and ones with zero points")
+        config["quantization_config"]["symmetric"] = symmetric.pop()
     unconverted = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if unconverted:
         config["quantization_config"]["modules_to_not_convert"] = unconverted
@@ -63,7 +69,7 @@ def write_quantized_checkpoint(model: nn.Module, src: str | Path, dst: str | Pat
 def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Path]) -> None:
     """Swaps the model's nn.Linear layers for WeightOnlyLinear and fills everything from files."""
     q = model.config.quantization
-    method, group_size = q["method"], int(q.get("group_size", 0))
+    method, group_size, symmetric = q["method"], int(q.get("group_size", 0)), bool(q.get("symmetric", False))
     check_options(method, group_size)
     unconverted = set(q.get("modules_to_not_convert", []))
     unknown = unconverted - {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -92,9 +98,12 @@ def load_quantized_checkpoint(model: nn.Module, model_dir: Path, files: list[Pat
                     raise ValueError(f"{path}: tensor {key!r} does not belong to this model")
     for name, layer in layers.items():
         got = pieces[name]
-        needed = {"qweight", "scales"} | ({"zeros"} if method == "int4" else set())
+        needed = {"qweight", "scales"} | ({"zeros"} if method == "int4" and not symmetric else set())
         if not needed <= got.keys():
             raise ValueError(f"{model_dir}: quantized layer {name!r} lacks {sorted(needed - got.keys())}")
+        if symmetric and "zeros" in got:
+            raise ValueError(f"{model_dir}: quantized layer {name!r} has zeros, but quantization_config says "
+                             f"symmetric")
         qweight = unpack_int4(got["qweight"]) if method == "int4" else got["qweight"]
         layer.bias = got.get("bias")
         layer.load_quantized(qweight, got["scales"], got.get("zeros"))

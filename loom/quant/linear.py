@@ -27,7 +27,8 @@ class WeightOnlyLinear(nn.Module):
         self.plan = plan or load_plan(method)
         self.bias = bias
         # Set by `load_quantized`, in the kernels' panel layouts (loom/kernels/linear.cpp). int8: q + 128
-        # as uint8, scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32].
+        # as uint8, scales [N] fp32. int4: scales and zeros bf16 [ceil(N/32), K/G, 32]; no zeros
+        # for a symmetric matrix.
         self.q: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
@@ -38,20 +39,26 @@ class WeightOnlyLinear(nn.Module):
         self.gemm_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, method: str, group_size: int,
-                    plan: Plan | None = None) -> "WeightOnlyLinear":
+    def from_linear(cls, linear: nn.Linear, method: str, group_size: int, plan: Plan | None = None,
+                    symmetric: bool = False) -> "WeightOnlyLinear":
+        """`symmetric`: int4 scales only (int8 always is)."""
         layer = cls(linear.in_features, linear.out_features, method, group_size,
                     None if linear.bias is None else linear.bias.detach(), plan)
         w = linear.weight.detach()
         if method == "int8":
             layer.load_quantized(*quantize_int8(w))
         else:
-            layer.load_quantized(*quantize_int4(w, group_size))
+            layer.load_quantized(*quantize_int4(w, group_size, symmetric))
         return layer
+
+    @property
+    def symmetric(self) -> bool:
+        """Weights are scale times code, with no zero point."""
+        return self.zeros is None
 
     def load_quantized(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> None:
         """The portable form: int8 q [N, K] with fp32 scales [N]; or int4 values 0..15 as
-        uint8 [N, K] with scales and zeros [N, K/G]."""
+        uint8 [N, K] with scales and zeros [N, K/G] (no zeros: symmetric)."""
         load_kernels()
         self.gemm_dtype = torch.bfloat16 if native_bf16() else None
         # The packers write fresh, aligned tensors: a checkpoint's can sit at any offset of its buffer.
@@ -61,7 +68,8 @@ class WeightOnlyLinear(nn.Module):
         else:
             self.q = pack_int4_for_kernel(q)
             # bf16, as the kernel reads them (torch's int4 kernel makes the same choice).
-            self.scales, self.zeros = pack_groups_for_kernel(scales), pack_groups_for_kernel(zeros)
+            self.scales = pack_groups_for_kernel(scales)
+            self.zeros = None if zeros is None else pack_groups_for_kernel(zeros)
 
     def portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q, scales, zeros) as `load_quantized` takes them: what a checkpoint stores."""
@@ -69,7 +77,7 @@ class WeightOnlyLinear(nn.Module):
         if self.method == "int8":
             return unpack_int8_from_kernel(self.q, n, k), self.scales, None
         return (unpack_int4_from_kernel(self.q, n, k), unpack_groups_from_kernel(self.scales, n),
-                unpack_groups_from_kernel(self.zeros, n))
+                None if self.zeros is None else unpack_groups_from_kernel(self.zeros, n))
 
     def reference_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight matrix [N, K] as the kernels see it (plain PyTorch: the reference)."""
@@ -105,4 +113,4 @@ class WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
-                f"group_size={self.group_size}, plan={self.plan}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}, plan={self.plan}")
