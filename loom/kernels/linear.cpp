@@ -583,8 +583,8 @@ inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const u
 
 // MR rows of x times one int4 panel. Per activation group (4 octets) and row: sum(q a) in int32
 // (low nibbles meet inputs 8d .. 8d + 3, high nibbles 8d + 4 .. 8d + 7), then with the weight
-// group's scale and zero (none: 0), total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
-template <int MR, typename Out>
+// group's scale and zero (none, kZero false: 0), total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)).
+template <int MR, bool kZero, typename Out>
 inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
                       const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
   constexpr int U = kChains<MR>;
@@ -611,8 +611,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int h = 0; h < 2; ++h) {
       const __m512 ws = widen_bf16(scale + wg * kPanel + 16 * h);
-      const __m512 offset = zero ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h))
-                                 : _mm512_mul_ps(_mm512_set1_ps(-8.f), ws);
+      const __m512 offset = kZero ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h))
+                                  : _mm512_mul_ps(_mm512_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;
         for (int u = 1; u < U; ++u) acc[0][m][h] = _mm512_add_epi32(acc[0][m][h], acc[u][m][h]);
@@ -718,7 +718,7 @@ inline void int8_tile(const QuantizedRows& a, int64_t m0, int64_t quads, const u
 // vpmaddubsw (q in 0..15 unsigned, a int8), accumulated in int16 over the group (at most
 // 8 x 2 x 15 x 127 = 30480, no saturation), widened to int32 once; then as the AVX-512 path,
 // total += s_g (scale sum(q a) + (zero - 8 scale) sum(a)), zero 0 where there is none.
-template <int MR, typename Out>
+template <int MR, bool kZero, typename Out>
 inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, const uint8_t* panel,
                       const uint16_t* scale, const uint16_t* zero, int64_t valid, Out* y, int64_t ldy) {
   constexpr int64_t kOctetsPerGroup = kInt4ActivationGroup / 8;
@@ -743,8 +743,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int i = 0; i < 4; ++i) {
       const __m256 ws = widen_bf16(scale + wg * kPanel + 8 * i);
-      const __m256 offset = zero ? _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i))
-                                 : _mm256_mul_ps(_mm256_set1_ps(-8.f), ws);
+      const __m256 offset = kZero ? _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i))
+                                  : _mm256_mul_ps(_mm256_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][i], ones)), ws,
@@ -825,9 +825,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const QuantizedRows a = quantize_rows(x, K, kInt4ActivationGroup);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  // The zero points' presence is a template argument: the symmetric tile has no per-group test.
   return run_panels<kIntTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-    int4_tile<decltype(rows)::value>(a, m0, group_size, qp + p * (K / 8) * 128, sp + p * groups * kPanel,
-                                     zp ? zp + p * groups * kPanel : nullptr, N - p * kPanel, y, N);
+    constexpr int MR = decltype(rows)::value;
+    const uint8_t* panel = qp + p * (K / 8) * 128;
+    const uint16_t* scales = sp + p * groups * kPanel;
+    if (zp)
+      int4_tile<MR, true>(a, m0, group_size, panel, scales, zp + p * groups * kPanel, N - p * kPanel, y, N);
+    else
+      int4_tile<MR, false>(a, m0, group_size, panel, scales, nullptr, N - p * kPanel, y, N);
   });
 #else
   return output_like(at::linear(x.to(at::kBFloat16), int4_dequantize(q, scale, zero, group_size, K, N)).to(at::kFloat), x);
