@@ -57,3 +57,19 @@ def test_reports_record_their_command_without_the_output_folder():
     assert command(["bench", "prefix", "--out-dir=/a/b", "--dtype", "bfloat16"]) == "loom bench prefix --dtype bfloat16"
     cached = cache_root() / "models" / "m"
     assert command(["bench", "quality", "--model", str(cached)]) == "loom bench quality --model <loom cache>/models/m"
+
+
+def test_serve_options_reach_the_engine(hf_models):
+    """`loom serve`'s quantization options become the engine's: int4 symmetric at group 64 quantizes every
+    linear layer so (the options are what the server's engine is built from)."""
+    from loom import LLM
+    from loom.cli import build_parser
+    from loom.cli.serve import _engine_options
+    from loom.quant.linear import WeightOnlyLinear
+
+    model_dir, _ = hf_models("llama_gqa")
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--quantization", "int4",
+                                      "--group-size", "64", "--symmetric", "--max-num-seqs", "2"])
+    layers = [m for m in LLM(**_engine_options(args)).engine.runner.model.modules()
+              if isinstance(m, WeightOnlyLinear)]
+    assert layers and all(m.symmetric and m.group_size == 64 for m in layers)

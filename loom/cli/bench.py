@@ -1021,6 +1021,8 @@ def _variant(row: dict) -> str:
     """What a latency row ran: a checkpoint's name, the quantization, or the dtype (and file)."""
     if "source_file" in row:
         return f"{row['dtype']} ({row['source_file']})"
+    if row.get("quantization") == "int4" and row.get("symmetric"):
+        return "int4 symmetric"
     return row.get("checkpoint") or row.get("quantization") or row["dtype"]
 
 

@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests waiting beyond those; more get 429 with Retry-After")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: sized by Loom)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    p.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int4 scales only, no zero points (llama.cpp's Q4_0 at group 32)")
     p.add_argument("--enforce-eager", action="store_true", help="never compile decode steps")
     p.add_argument("--kv-policy", choices=KV_POLICIES, default="full",
                    help="KV-cache compression for requests that do not choose their own (kv_policy)")
@@ -46,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                group_size=args.group_size, symmetric=args.symmetric,
                 enforce_eager=True if args.enforce_eager else None, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
                 kv_recent_ratio=args.kv_recent_ratio, tensor_parallel_size=args.tensor_parallel_size,
                 kv_parallel_size=args.kv_parallel_size, attention_sharding=args.attention_sharding,
