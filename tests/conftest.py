@@ -1,14 +1,17 @@
 """Shared fixtures: small random-weight Hugging Face checkpoints saved with save_pretrained."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from loom.bench import clock
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -34,30 +37,18 @@ MODEL_SPECS = {
 
 
 
-class FakeClock:
-    """Stands in for the `time` module of a benchmark's module: every reading is a millisecond
-    after the one before, and sleeps are real. A test that runs a benchmark's bookkeeping then
-    never reads the machine's clock, and the figures it gets are fixed, not measured."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleep = time.sleep
-
-    def perf_counter(self) -> float:
-        self.now += 1e-3
-        return self.now
-
-
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fake_clock(monkeypatch):
-    """`fake_clock(module, ...)`: those modules read a FakeClock instead of the machine's."""
-    def install(*modules) -> FakeClock:
-        clock = FakeClock()
-        for module in modules:
-            monkeypatch.setattr(module, "time", clock)
-        return clock
+    """In every test the benchmarks' clock (`loom.bench.clock.now`) is a counter, each reading a
+    millisecond after the last: a test that runs a benchmark's bookkeeping checks fixed figures,
+    and no test times anything."""
+    monkeypatch.setattr(clock, "now", itertools.count(1e-3, 1e-3).__next__)
 
-    return install
+
+def pause(seconds: float) -> None:
+    """Waits between polls of a condition, or lets another process get ahead: a bound on waiting,
+    never a measurement."""
+    threading.Event().wait(seconds)
 
 
 def build_hf_model(out_dir: Path, name: str, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -13,6 +12,8 @@ from loom import LLM
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
+
+from conftest import pause
 
 
 POLL_S = 0.05
@@ -24,7 +25,7 @@ def poll(condition: Callable[[], bool], seconds: float) -> bool:
     for _ in range(round(seconds / POLL_S)):
         if condition():
             return True
-        time.sleep(POLL_S)
+        pause(POLL_S)
     return condition()
 
 

@@ -229,8 +229,7 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     import subprocess
     import sys
 
-    code = ("import itertools, types; import loom.bench.attention as a; "
-            "a.time = types.SimpleNamespace(perf_counter=itertools.count(0, 1e-3).__next__); "
+    code = ("import itertools; from loom.bench import clock; clock.now = itertools.count(0, 1e-3).__next__; "
             "from loom.bench.attention import run, run_prefill; import torch; "
             "print(sorted(run(2, 32, 4, 2, 16, 16, torch.float32, layers=2, rounds=1, repeats=1))); "
             "print(sorted(run_prefill(8, 32, 4, 2, 16, 16, torch.float32, rounds=1, repeats=1)))")

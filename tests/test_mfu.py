@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from loom.bench import calibrate
 from loom.bench.mfu import gemm_roof, request_flops, workload_flops
 from loom.layers.dispatch import candidates, panels_available
 from loom.models.config import ModelConfig
@@ -36,10 +35,9 @@ def test_request_flops_counts_every_token(hf_models):
     assert matmuls == ours_linear + (prompt - 1) * 2 * c.hidden_size * c.vocab_size
 
 
-def test_gemm_roof_is_the_faster_kernel(hf_models, fake_clock):
+def test_gemm_roof_is_the_faster_kernel(hf_models):
     """Every kernel a linear layer can dispatch to is run, and the roof is the fastest (on a fake
     clock: the bookkeeping, not the rates, is under test)."""
-    fake_clock(calibrate)
     model_dir, _ = hf_models("llama_gqa")
     rates = gemm_roof(ModelConfig.from_dir(model_dir), torch.float32, tokens=32, repeats=2)
     kernels = {k: v for k, v in rates.items() if k != "roof"}

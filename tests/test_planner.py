@@ -213,17 +213,15 @@ def test_calibrated_components_price_the_step(tmp_path) -> None:
         replace(hw, linear_bandwidth={"bf16": [1e9]})
 
 
-def test_calibration_describes_the_machine_for_the_planner(tmp_path, monkeypatch, fake_clock) -> None:
+def test_calibration_describes_the_machine_for_the_planner(tmp_path, monkeypatch) -> None:
     """`loom calibrate`'s measurements make a hardware description the planner predicts Loom's
     steps with. How close the prediction comes is a timing, so `loom bench planner` measures it;
     here, on a fake clock, every figure must exist, be positive and finite, and survive the JSON
     round trip."""
-    from loom.bench import calibrate, latency
     from loom.bench.calibrate import measure
     from loom.models.reference import reference_model_dir
 
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))  # the tiny calibration models, and no crossover file
-    fake_clock(calibrate, latency)
     hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
     figures = [hw.memory_bandwidth, *hw.peak_flops.values(), *hw.linear_bandwidth["bf16"], *hw.kv_bandwidth.values()]
     assert len(hw.linear_bandwidth["bf16"]) == 2 and set(hw.step_overhead) == set(STEP_OVERHEAD_TERMS)

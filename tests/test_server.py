@@ -12,7 +12,6 @@ import socketserver
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ from loom import LLM, SamplingParams
 from loom.engine.async_llm_engine import AsyncLLMEngine
 from loom.server.app import ServerConfig, build_app
 from loom.server.metrics import Metrics
+from conftest import pause
 from serving import POLL_S, ThreadedServer, free_port, poll, scrape
 
 HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
@@ -229,7 +229,7 @@ def test_disconnected_clients_free_their_blocks(server):
         return add_request(*args, **kwargs)
 
     def slow_execute(batch):  # 400 tokens take over 2 s: every client leaves before its answer ends
-        time.sleep(0.005)
+        pause(0.005)
         return execute(batch)
 
     runner.execute = slow_execute
@@ -515,12 +515,9 @@ def test_chat_page_is_served(server):
 
 @pytest.mark.parametrize("load", [["--concurrency", "4"], ["--request-rate", "50"]])
 @pytest.mark.parametrize("prompts", ["ids", "text"])
-def test_bench_serve_measures_every_request(server, tmp_path, load, prompts, fake_clock):
-    from loom.bench import serve
+def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
     from loom.bench.serve import make_workload
     from loom.cli import main
-
-    fake_clock(serve)  # the client's clock: its figures are not under test
 
     text = ["--tokenizer", str(HOUSE)] if prompts == "text" else []
     main(["bench", "serve", "--base-url", server.url, "--model", "house", "--num-requests", "12", *load, *text,
@@ -537,13 +534,10 @@ def test_bench_serve_measures_every_request(server, tmp_path, load, prompts, fak
     assert server.idle()
 
 
-def test_bench_serve_counts_failed_requests(server, fake_clock):
+def test_bench_serve_counts_failed_requests(server):
     """A refused request and a server that is not there are errors of the run, each with its
     reason, never an exception that loses the other requests' figures."""
-    from loom.bench import serve
     from loom.bench.serve import ServeRequest, benchmark
-
-    fake_clock(serve)
 
     workload = [ServeRequest([5, 6, 7], 3, 4)] * 3
     refused = benchmark(server.url, "no-such-model", workload, concurrency=2)
@@ -585,14 +579,11 @@ def _sse_events(tokens: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("framing", ["chunked", "length", "close", "cut", "short"])
-def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing, fake_clock):
+def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing):
     """The bench's client reads a streamed body in chunks, of a stated length, or ended by the
     connection's close; a chunked stream the server closes before its last chunk, or a body
     shorter than its length, is an error of that request."""
-    from loom.bench import serve
     from loom.bench.serve import ServeRequest, benchmark
-
-    fake_clock(serve)
 
     events = _sse_events(3)
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -621,13 +612,10 @@ def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_er
         assert all(r["output_tokens"] == 3 for r in run["requests"])
 
 
-def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path, fake_clock):
+def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
     """A soak (--duration at a --request-rate) samples the server's resident memory and KV use
     from /metrics while it runs, and finds the KV cache back to idle at its end."""
-    from loom.bench import serve
     from loom.cli import main
-
-    fake_clock(serve)  # the client's clock: its figures are not under test
 
     main(["bench", "serve", "--base-url", server.url, "--model", "house", "--request-rate", "8", "--duration", "3",
           "--prompt-len", "8", "16", "--output-len", "4", "8", "--label", "soak", "--out-dir", str(tmp_path)])
@@ -693,16 +681,13 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
         s.stop()
 
 
-def test_bench_serve_launches_loom_itself(tmp_path, fake_clock):
+def test_bench_serve_launches_loom_itself(tmp_path):
     """`--launch loom offline --rounds 2`: the server it starts and the same engine in-process take
     turns on the same text prompts, new prompts each round; every request served in both, the
     server timed to its first answer, the ratios the medians of the rounds'."""
     import statistics
 
-    from loom.bench import serve
     from loom.cli import main
-
-    fake_clock(serve)  # the launcher keeps the machine's clock for its start-up deadline
 
     main(["bench", "serve", "--launch", "loom", "offline", "--launch-model", str(HOUSE), "--num-requests", "6",
           "--concurrency", "3", "--prompt-len", "8", "16", "--output-len", "4", "8", "--rounds", "2",

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
 from loom.parallel.step import await_release
 from loom.parallel.tensor_parallel import kv_replication, local_kv_heads
-from tests.conftest import build_hf_model, random_prompts
+from tests.conftest import build_hf_model, pause, random_prompts
 from tests.serving import free_port
 from tests.tp_run import generate
 
@@ -56,7 +55,7 @@ def _run_helper(tmp_path: Path, options: dict, commands: list[tuple[list[str], d
         for _ in range(12000):  # polls for about ten minutes at most: a hang guard, not a measurement
             if all(p.poll() is not None for p in procs) or any(p.returncode for p in procs):
                 break
-            time.sleep(0.05)
+            pause(0.05)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -283,7 +282,7 @@ for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(got, torch.stack([(base * (r + 1) * (state.rank + 1)).to(dtype) for r in range(2)]))
 # The all-to-all in halves, as HOP-B runs it (two unfinished at most), through shared memory and
 # through gloo, between synchronous collectives; rank 1 lags so that rank 0's waits really wait.
-import time
+import threading
 from loom.parallel import comm
 def message(k):
     return torch.stack([torch.full((5, 3), 100.0 * k + 10 * state.rank + j) for j in range(2)])
@@ -292,7 +291,7 @@ def expected(k):
 for shm in (state.shm_group, None):
     first = comm.all_to_all_start(message(1), dist.group.WORLD, shm)
     if state.rank == 1:
-        time.sleep(0.2)
+        threading.Event().wait(0.2)
     second = comm.all_to_all_start(message(2), dist.group.WORLD, shm)
     if shm is not None:  # a third before the first is finished, or finishing out of order: refused
         for call in (lambda: torch.ops.loom.shm_all_to_all_start(message(3), shm),
@@ -353,9 +352,9 @@ def test_a_rank_lost_mid_generation_stops_the_other(gqa, tmp_path):
         for _ in range(600):
             if ready.exists() or any(n.poll() is not None for n in nodes):
                 break
-            time.sleep(0.1)
+            pause(0.1)
         assert ready.exists(), "the ranks did not start"
-        time.sleep(1)
+        pause(1)
         for pid in _children(nodes[1].pid):  # rank 1 itself (torchrun starts it in a session of its own)
             os.kill(pid, signal.SIGKILL)
         log = nodes[0].communicate(timeout=120)[0]  # a hang guard, not a measurement
@@ -508,7 +507,7 @@ def test_serve_under_torchrun(gqa, tmp_path):
             except httpx.TransportError:
                 pass
             assert server.poll() is None, "the server exited while starting"
-            time.sleep(0.5)
+            pause(0.5)
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                             json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                                   "return_token_ids": True}).json()

@@ -7,11 +7,11 @@ also over an int8 pool of the same shapes (`kv_cache_dtype="int8"`)."""
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from loom.bench import clock
 from loom.kernels import load_kernels
 from loom.kv.attention import DecodeScores, PrefillSegment, paged_decode_attention, prefill_attention
 from loom.kv.cache import KVCache, kv_bytes_per_block
@@ -22,9 +22,9 @@ def _time(fn, repeats: int) -> list[float]:
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock.now()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock.now() - t)
     return times
 
 

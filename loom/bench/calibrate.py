@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import os
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from loom.bench import clock
 from loom.planner.hardware import STEP_OVERHEAD_TERMS, Hardware, this_machine_path
 from loom.planner.workload import dtype_bytes
 
@@ -42,9 +42,9 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock.now()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock.now() - start)
     return best
 
 

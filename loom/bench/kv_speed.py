@@ -9,13 +9,13 @@ import gc
 import multiprocessing
 import random
 import statistics
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 from loom.bench.report import cpu_label
 from loom.kv.cache import kv_bytes_per_block
 from loom.models.reference import REFERENCE_134M, reference_model_dir
@@ -89,9 +89,9 @@ class DecodeRun:
     def step(self) -> None:
         before = self._stats
         self.slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
-        start = time.perf_counter()
+        start = clock.now()
         self.llm.engine.step()
-        self.elapsed += time.perf_counter() - start  # the engine's step alone, not the memory counts
+        self.elapsed += clock.now() - start  # the engine's step alone, not the memory counts
         self.steps += 1
         after = self._stats = self.llm.stats()
         if after.num_running:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 from loom.kv.cache import kv_bytes_per_block
 from loom.models.config import ModelConfig
 
@@ -81,11 +81,11 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
 
     for _ in range(repeats):
         prefill()
-        steps, start = 0, time.perf_counter()
+        steps, start = 0, clock.now()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        rates.append(steps / (time.perf_counter() - start))
+        rates.append(steps / (clock.now() - start))
     result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "symmetric": symmetric,
               "kv_cache_dtype": kv_cache_dtype,
               "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
@@ -119,11 +119,11 @@ def decode_breakdown(engine) -> dict[str, float]:
 
     steps = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
+        start = clock.now()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock.now() - start
     return split_step_time({e.key: e.self_cpu_time_total for e in prof.key_averages()}, steps, elapsed)
 
 
@@ -150,14 +150,14 @@ def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens:
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
         for _ in range(repeats):
-            t = time.perf_counter()
+            t = clock.now()
             model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
-            prefill = time.perf_counter() - t
-            t = time.perf_counter()
+            prefill = clock.now() - t
+            t = clock.now()
             model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                            do_sample=False, pad_token_id=0, eos_token_id=None)
             # decode time: the whole call less a prefill measured on its own
-            decode = time.perf_counter() - t - prefill
+            decode = clock.now() - t - prefill
             if decode <= 0:
                 raise RuntimeError(f"transformers' decode time is lost in its prefill's noise at max_tokens "
                                    f"{max_tokens}: raise --max-tokens")

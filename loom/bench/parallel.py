@@ -3,10 +3,10 @@ requests with prefix caching off (each prefills and stores the prompt itself), s
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 
 
 def run(model_dir: Path, dtype: str, n: int, prompt_len: int, output_len: int, vocab_size: int,
@@ -24,12 +24,12 @@ def run(model_dir: Path, dtype: str, n: int, prompt_len: int, output_len: int, v
             engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True,
                                                       seed=seed + k))
     peak_blocks = 0
-    start = time.perf_counter()
+    start = clock.now()
     while engine.has_unfinished_requests():
         engine.step()
         stats = llm.stats()
         peak_blocks = max(peak_blocks, stats.num_blocks - stats.num_free_blocks)
-    elapsed = time.perf_counter() - start
+    elapsed = clock.now() - start
     cache = engine.runner.cache
     block_bytes = cache.keys[0][0].nbytes * 2 * len(cache.keys)
     return {"mode": f"n={n} forked" if forked else f"{n} separate requests", "seconds": elapsed,

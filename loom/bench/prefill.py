@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from pathlib import Path
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 
 
 def random_prompts(lens: list[int], repeats: int, vocab_size: int, seed: int = 0) -> dict[int, list[list[int]]]:
@@ -24,9 +24,9 @@ def run_loom(model_dir: Path, dtype: str, prompts: dict[int, list[list[int]]], c
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def ttft(prompt: list[int]) -> float:
-        start = time.perf_counter()
+        start = clock.now()
         llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        return time.perf_counter() - start
+        return clock.now() - start
 
     ttft([5] * 64)  # warm-up
     uncached = {n: statistics.median(ttft(p) for p in ps) for n, ps in prompts.items()}

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 
 
 def run(model_dir: Path, dtype: str, num_requests: int, prefix_len: int, tail_len: int, output_len: int,
@@ -17,9 +17,9 @@ def run(model_dir: Path, dtype: str, num_requests: int, prefix_len: int, tail_le
     llm = LLM(str(model_dir), dtype=dtype, enable_prefix_caching=enable_prefix_caching)
     llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock.now()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = clock.now() - start
     stats = llm.stats()
     return {"prefix_caching": enable_prefix_caching, "seconds": elapsed,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,

@@ -25,7 +25,6 @@ import json
 import random
 import ssl
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from loom.bench import clock
 from loom.bench.report import model_label
 from loom.tokenizer import Tokenizer
 
@@ -120,7 +120,7 @@ class _Exchange(asyncio.Protocol):
         self.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
-        self.pieces.append((time.perf_counter(), body))
+        self.pieces.append((clock.now(), body))
 
     def on_message_complete(self) -> None:
         self._end(None)
@@ -162,11 +162,11 @@ async def _post(url: str, payload: dict, headers: dict[str, str]) -> _Exchange:
 async def _one(url: str, model: str, request: ServeRequest, headers: dict[str, str]) -> RequestResult:
     """One streamed request; the events' JSON is read after the stream ends."""
     result = RequestResult(request.prompt_len)
-    start = time.perf_counter()
+    start = clock.now()
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             response = await _post(url, request_body(model, request), headers)
-        result.e2e = time.perf_counter() - start
+        result.e2e = clock.now() - start
         if response.status != 200:
             result.error = f"HTTP {response.status}: {b''.join(p for _, p in response.pieces)[:200]!r}"
             return result
@@ -213,7 +213,7 @@ async def _run(base_url: str, model: str, workload: list[ServeRequest], concurre
 
     async def sample(start: float) -> None:
         while True:
-            samples.append({"t": time.perf_counter() - start, **await asyncio.to_thread(probe)})
+            samples.append({"t": clock.now() - start, **await asyncio.to_thread(probe)})
             await asyncio.sleep(probe_every)
 
     delays, t = [], 0.0
@@ -222,10 +222,10 @@ async def _run(base_url: str, model: str, workload: list[ServeRequest], concurre
             break
         delays.append(t)
         t += rng.expovariate(request_rate) if request_rate else 0.0
-    start = time.perf_counter()
+    start = clock.now()
     sampler = asyncio.create_task(sample(start)) if probe else None
     results = await asyncio.gather(*(gated(r, d) for r, d in zip(workload, delays)))
-    elapsed = time.perf_counter() - start
+    elapsed = clock.now() - start
     if sampler:
         sampler.cancel()
     return list(results), elapsed, samples
@@ -297,18 +297,18 @@ def run_offline(llm: LLM, workload: list[ServeRequest], concurrency: int) -> dic
     pending = list(reversed(workload))
     inflight: dict[str, tuple[RequestResult, float]] = {}  # id -> (result, time of its last token)
     results: list[RequestResult] = []
-    start = time.perf_counter()
+    start = clock.now()
     while pending or inflight:
         while pending and len(inflight) < concurrency:
             request = pending.pop()
             prompt = request.prompt if isinstance(request.prompt, str) else {"prompt_token_ids": request.prompt}
             params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
             result = RequestResult(request.prompt_len)
-            inflight[engine.add_request(prompt, params)] = (result, time.perf_counter())
+            inflight[engine.add_request(prompt, params)] = (result, clock.now())
             results.append(result)
         for out in engine.step():
             result, sent_or_last = inflight[out.request_id]
-            now, tokens = time.perf_counter(), len(out.outputs[0].token_ids)
+            now, tokens = clock.now(), len(out.outputs[0].token_ids)
             if tokens > result.output_tokens:
                 if result.output_tokens == 0:
                     result.ttft = now - sent_or_last
@@ -323,7 +323,7 @@ def run_offline(llm: LLM, workload: list[ServeRequest], concurrency: int) -> dic
                 result.error = "" if result.ok else f"finished with {out.outputs[0].finish_reason}"
                 del inflight[out.request_id]
     return {"base_url": None, "model": model_label(llm.engine.config.model), "concurrency": concurrency, "request_rate": None,
-            **summarize(results, time.perf_counter() - start)}
+            **summarize(results, clock.now() - start)}
 
 
 def ratios(runs: list[dict]) -> dict[str, float]:

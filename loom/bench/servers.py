@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from loom.bench import clock
 from loom.bench.llamacpp import peer_gguf
 from loom.bench.serve import ServeRequest, request_body, split_weights
 from loom.config import cache_root
@@ -58,7 +59,7 @@ def _start(name: str, cmd: list[str], port: int, model: str, probe: ServeRequest
     then sends `probe` (one token) and waits for its answer."""
     log = cache_root() / "peers" / f"{name}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, deadline = clock.now(), time.monotonic() + timeout  # the deadline bounds a wait: the machine's clock
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Launched(name, f"http://127.0.0.1:{port}", model, process, log)
@@ -70,17 +71,17 @@ def _start(name: str, cmd: list[str], port: int, model: str, probe: ServeRequest
                 break
         except httpx.TransportError:
             pass
-        if time.perf_counter() - start > timeout:
+        if time.monotonic() > deadline:
             server.stop()
             raise RuntimeError(f"{name} was not ready after {timeout:.0f} s; see {log}")
         time.sleep(0.2)
-    server.startup_s = time.perf_counter() - start
+    server.startup_s = clock.now() - start
     first = ServeRequest(probe.prompt, probe.prompt_len, 1)
     answer = httpx.post(server.url + "/v1/completions", json=request_body(model, first, stream=False), timeout=timeout)
     if answer.status_code != 200:
         server.stop()
         raise RuntimeError(f"{name} answered its first request with HTTP {answer.status_code}: {answer.text[:300]}")
-    server.first_answer_s = time.perf_counter() - start
+    server.first_answer_s = clock.now() - start
     return server
 
 

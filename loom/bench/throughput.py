@@ -3,13 +3,13 @@ continuous batching against Hugging Face transformers' static padded batches, sa
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from loom import LLM, SamplingParams
+from loom.bench import clock
 
 
 @dataclass
@@ -36,9 +36,9 @@ def run_loom(model_dir: Path, dtype: str, workload: list[Request], **engine_kw) 
     steps = generated = 0
     elapsed = 0.0
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
+        start = clock.now()
         generated += sum(1 for o in engine.step())
-        elapsed += time.perf_counter() - start  # the engine's steps alone, not the KV count below
+        elapsed += clock.now() - start  # the engine's steps alone, not the KV count below
         steps += 1
         s = engine.stats()
         if busiest is None or s.kv_slots_allocated > busiest.kv_slots_allocated:
@@ -61,7 +61,7 @@ def run_hf(model_dir: Path, dtype: str, workload: list[Request], batch_size: int
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         model.generate(torch.tensor([[5] * 16]), max_new_tokens=2, do_sample=False, pad_token_id=0)
-        start = time.perf_counter()
+        start = clock.now()
         for i in range(0, len(workload), batch_size):
             group = workload[i:i + batch_size]
             width = max(len(r.prompt_token_ids) for r in group)
@@ -70,7 +70,7 @@ def run_hf(model_dir: Path, dtype: str, workload: list[Request], batch_size: int
             new = max(r.output_len for r in group)
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            pad_token_id=0, eos_token_id=None)
-        elapsed = time.perf_counter() - start
+        elapsed = clock.now() - start
     useful = sum(r.output_len for r in workload)
     return {"engine": f"hf-transformers batch {batch_size}", "dtype": dtype, "batch_size": batch_size,
             "requests": len(workload), "seconds": elapsed, "output_tokens": useful, "output_tok_per_s": useful / elapsed}

@@ -16,9 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from loom.bench import clock
 from loom.planner.collectives import Collective
 from loom.planner.hardware import Hardware
 from loom.planner.layouts import Layout
@@ -38,11 +38,11 @@ def _decode(llm, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> di
         pending -= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
     before, steps = llm.stats(), 0
     kv_bytes = _rank0_kv_bytes(llm)
-    start = time.perf_counter()
+    start = clock.now()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    seconds = time.perf_counter() - start
+    seconds = clock.now() - start
     after = llm.stats()
     per_step = {kind: (after.collective_bytes[kind] - before.collective_bytes.get(kind, 0)) / steps
                 for kind in after.collective_bytes}
