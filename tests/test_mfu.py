@@ -43,3 +43,33 @@ def test_gemm_roof_is_the_faster_kernel(hf_models):
     kernels = {k: v for k, v in rates.items() if k != "roof"}
     assert set(kernels) == set(candidates("fp32", panels_available())) and all(v > 0 for v in kernels.values())
     assert rates["roof"] == max(kernels.values())
+
+
+def test_offline_lower_bound_adds_gemms_and_kv_reads(hf_models):
+    """The offline bound, against a count request by request and step by step: prompts at the
+    roof, then each decode step at the roof or at the weights' read time, whichever is longer,
+    plus every stored token's K and V read once per decode step at the KV rate."""
+    from loom.bench.latency import weight_bytes
+    from loom.bench.throughput import Request, lower_bound
+
+    model_dir, _ = hf_models("llama_gqa")
+    c = ModelConfig.from_dir(model_dir)
+    workload = [Request([5] * 6, 3), Request([5] * 2, 5)]
+    per_layer = 2 * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                     + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    head = 2 * c.hidden_size * c.vocab_size
+    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, bf16
+    for roof, read in ((1e12, 1e6), (1e6, 1e15)):  # decode steps bound by the weights, then by the GEMMs
+        prompt_time = sum(request_flops(c, len(r.prompt_token_ids), 1) for r in workload) / roof
+        step_time = kv = 0.0
+        for step in (1, 2, 3, 4):  # the first request decodes 2 tokens, the second 4
+            running = [r for r in workload if r.output_len - 1 >= step]
+            compute = sum(c.num_layers * per_layer + head for _ in running) / roof
+            step_time += max(compute, weight_bytes(c, "bfloat16", None) / read)
+            kv += sum((len(r.prompt_token_ids) + step) * kv_token for r in running)
+        bound = lower_bound(c, "bfloat16", workload, roof, read, kv_read=2e9)
+        assert bound["decode_kv_bytes"] == kv
+        expected = prompt_time + step_time + kv / 2e9
+        assert abs(bound["seconds"] - expected) <= 1e-9 * expected
+        flops = workload_flops(c, [6, 2], [3, 5])
+        assert abs(bound["mfu"] - flops / expected / roof) <= 1e-9 and bound["output_tok_per_s"] == 8 / bound["seconds"]

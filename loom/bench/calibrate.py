@@ -48,6 +48,11 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def planner_dtype(dtype: str) -> str:
+    """The planner's name of a Loom dtype (torch's name: "float32" or "bfloat16")."""
+    return "bf16" if dtype == "bfloat16" else "fp32"
+
+
 def _torch_dtype(dtype: str):
     """The torch dtype of a planner dtype that Loom computes in (fp32 or bf16)."""
     import torch

@@ -10,6 +10,9 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench import clock
+from loom.bench.latency import kv_bytes, weight_bytes
+from loom.bench.mfu import layer_shapes, workload_flops
+from loom.models.config import ModelConfig
 
 
 @dataclass
@@ -23,6 +26,32 @@ def random_workload(num_requests: int, prompt_range: tuple[int, int], output_ran
     rng = random.Random(seed)
     return [Request([rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))],
                     rng.randint(*output_range)) for _ in range(num_requests)]
+
+
+def lower_bound(cfg: ModelConfig, dtype: str, workload: list[Request], roof: float, read: float,
+                kv_read: float) -> dict[str, float]:
+    """A lower bound on the workload's time, for an engine that does nothing but its GEMMs at
+    `roof` FLOP/s and decode attention's reads of a KV cache of the model's dtype at `kv_read`
+    bytes/s, one after the other: every prompt first (linear layers, causal attention and one LM
+    head row at the roof), then a decode step per output position for the requests still
+    running, each taking at least the time to read the weights at `read` bytes/s. Returns that
+    time, the MFU and output tokens/s it allows, and the KV bytes decode attention reads."""
+    prompts = [len(r.prompt_token_ids) for r in workload]
+    outputs = [r.output_len for r in workload]
+    per_token = 2 * cfg.num_layers * sum(i * o for i, o in layer_shapes(cfg))
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # per (query, key) pair
+    seconds = sum(p * per_token + attention * p * (p + 1) // 2 + head for p in prompts) / roof
+    weights, kv_token = weight_bytes(cfg, dtype, None), kv_bytes(cfg, dtype, 1, 1)
+    decode_kv_bytes = 0.0
+    for step in range(1, max(outputs)):
+        # the requests computing their step-th output token, each over its prompt and step keys
+        contexts = [p + step for p, o in zip(prompts, outputs) if o > step]
+        seconds += max(len(contexts) * (per_token + head) / roof, weights / read)
+        decode_kv_bytes += kv_token * sum(contexts)
+    seconds += decode_kv_bytes / kv_read
+    return {"seconds": seconds, "mfu": workload_flops(cfg, prompts, outputs) / seconds / roof,
+            "output_tok_per_s": sum(outputs) / seconds, "decode_kv_bytes": decode_kv_bytes}
 
 
 def run_loom(model_dir: Path, dtype: str, workload: list[Request], **engine_kw) -> dict:

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from loom.bench import clock
+from loom.bench.calibrate import planner_dtype
 from loom.planner.collectives import Collective
 from loom.planner.hardware import Hardware
 from loom.planner.layouts import Layout
@@ -108,11 +109,6 @@ def long_context_mqa_model() -> Path:
                                name="ref-134m-mqa-8k")
 
 
-def _planner_dtype(dtype: str) -> str:
-    """The planner's name of a Loom dtype."""
-    return "bf16" if dtype == "bfloat16" else "fp32"
-
-
 def planner_layout_figures(model: Path, dtype: str, layout: Layout, batch: int, context: float,
                            hardware: Hardware | None) -> dict[str, float]:
     """The planner's figures for one decode step of `layout` at `context` cached tokens per
@@ -124,7 +120,7 @@ def planner_layout_figures(model: Path, dtype: str, layout: Layout, batch: int, 
     from loom.planner.workload import Workload, dtype_bytes
 
     shape = from_hf_config(model)
-    kind = _planner_dtype(dtype)
+    kind = planner_dtype(dtype)
     wl = Workload(batch=batch, input_len=int(context), output_len=0, weight_dtype=kind, kv_dtype=kind, act_dtype=kind)
     out = {"kv_bytes_per_step": kv_per_token_per_chip(shape, wl, layout, batch) * context}
     if layout.kind == "helix":
@@ -144,7 +140,7 @@ def planner_bytes(model: Path, dtype: str, tp: int, batch: int) -> dict[str, flo
     from loom.planner.workload import dtype_bytes
 
     shape = from_hf_config(model)
-    act = dtype_bytes(_planner_dtype(dtype))
+    act = dtype_bytes(planner_dtype(dtype))
     per_layer: list[Collective] = layer_collectives(Layout("1d", tp), shape, batch, 1, 0.0, act)
     reduce_scatter = sum(c.nbytes for c in per_layer if c.kind == "reduce-scatter")
     return {"all_reduce": shape.n_layers * reduce_scatter}

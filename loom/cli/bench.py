@@ -240,6 +240,7 @@ def _throughput(args: argparse.Namespace) -> None:
 
     from loom.bench import mfu
     from loom.bench import throughput as tp
+    from loom.bench.calibrate import kv_bandwidth, memory_bandwidth, planner_dtype
     from loom.bench.report import bar_plot, write_report
     from loom.models.config import ModelConfig
 
@@ -253,6 +254,15 @@ def _throughput(args: argparse.Namespace) -> None:
     rows = []
     for dtype in args.dtypes:
         gemm = mfu.gemm_roof(config, getattr(torch, dtype))
+        bound = None
+        if args.kv_cache_dtype == "auto":  # the bound models a cache of the model's dtype
+            read = memory_bandwidth()
+            kv_read = kv_bandwidth((planner_dtype(dtype),))[planner_dtype(dtype)]
+            bound = {**tp.lower_bound(config, dtype, workload, gemm["roof"], read, kv_read),
+                     "read_bytes_per_s": read, "kv_read_bytes_per_s": kv_read}
+            print(f"[{dtype}] bound: GEMMs at the roof, weights read at {read / 1e9:.1f} GB/s, decode attention's "
+                  f"{bound['decode_kv_bytes'] / 1e9:.1f} GB of KV at {kv_read / 1e9:.1f} GB/s: "
+                  f"{bound['output_tok_per_s']:.0f} tok/s, MFU {bound['mfu']:.2f}", flush=True)
         loom = tp.run_loom(model, dtype, workload, kv_cache_dtype=args.kv_cache_dtype)
         loom["mfu"] = model_flops(workload) / loom["seconds"] / gemm["roof"]
         print(f"[{dtype}] loom: {loom['output_tok_per_s']:.1f} tok/s, MFU {loom['mfu']:.2f} of "
@@ -274,6 +284,8 @@ def _throughput(args: argparse.Namespace) -> None:
                       flush=True)
             peers.append(result)
         row = {"dtype": dtype, "gemm_flops_per_s": gemm, "loom": loom, "peers": peers}
+        if bound is not None:
+            row["bound"] = bound
         for name, group in (("hf", ("hf",)), ("openvino_ctranslate2", ("openvino", "ctranslate2"))):
             ran = [r for r in peers if r["peer"] in group and "skipped" not in r]
             if ran:
@@ -287,6 +299,10 @@ def _throughput(args: argparse.Namespace) -> None:
                             "output_len": [32, 256], "ignore_eos": True, "greedy": True},
                "mfu": "model FLOPs of the requested tokens (linear layers, LM head, attention) / seconds / the "
                       "faster of torch's and Loom's GEMM over 512 rows of the model's layer shapes, same run",
+               "bound": "the least time an engine doing nothing but the workload's GEMMs at the roof and decode "
+                        "attention's KV reads at the rate Loom's decode kernel reached in this run, one after the "
+                        "other, could take (decode steps no shorter than a read of the weights at the memory "
+                        "probe's rate); caches of the model's dtype only",
                "results": rows}
     int8 = args.kv_cache_dtype == "int8"
     path = write_report("throughput-kv-int8" if int8 else "throughput", results, args.out_dir)
