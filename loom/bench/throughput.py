@@ -1,5 +1,6 @@
 """Offline throughput: a batch of requests with random prompt and output lengths, Loom's
-continuous batching against Hugging Face transformers' static padded batches, same run."""
+continuous batching against Hugging Face transformers' static padded batches, same run; and a
+lower bound on the workload's time from the machine's measured rates."""
 from __future__ import annotations
 
 import random
