@@ -39,7 +39,7 @@ MODEL_SPECS = {
 
 @pytest.fixture(autouse=True)
 def fake_clock(monkeypatch):
-    """In every test the benchmarks' clock (`loom.bench.clock.now`) is a counter, each reading a
+    """In every test the measurements' clock (`loom.bench.clock.now`) is a counter, each reading a
     millisecond after the last: a test that runs a benchmark's bookkeeping checks fixed figures,
     and no test times anything."""
     monkeypatch.setattr(clock, "now", itertools.count(1e-3, 1e-3).__next__)

@@ -100,9 +100,10 @@ def test_model_plans_give_the_compiled_graphs_switch_points():
 
 
 def test_calibration_checks_its_own_choice(tmp_path, monkeypatch):
-    """On small layers, quickly: every candidate is timed at every count, the plan names only
-    candidates, and the dispatched layers were timed again against each candidate. (Which
-    kernel wins is a timing, reported by `loom calibrate --linears`, not asserted.)"""
+    """On small layers, quickly, on the tests' counter clock: every candidate is run at every
+    count, the plan names only candidates, and the dispatched layers were run again against each
+    candidate. (Which kernel wins is a timing, reported by `loom calibrate --linears`, not
+    asserted.)"""
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
     result = dispatch.calibrate(tokens=(1, 4), shapes=((64, 32), (32, 64)), copies=2, repeats=2,
                                 formats=("bf16", "int8"))

@@ -15,14 +15,13 @@ choice; `load_plan` reads that result, or a default for the CPU's family until i
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from functools import cache
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from loom.bench import clock
 from loom.config import cache_root
 from loom.kernels import load_kernels
 
@@ -167,10 +166,10 @@ def _fastest_ms(kernels: dict[str, list[Callable[[], object]]], repeats: int) ->
     best = dict.fromkeys(kernels, float("inf"))
     for _ in range(repeats):
         for name, fns in kernels.items():
-            start = time.perf_counter()
+            start = clock.now()
             for fn in fns:
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / len(fns) * 1e3)
+            best[name] = min(best[name], (clock.now() - start) / len(fns) * 1e3)
     return best
 
 
