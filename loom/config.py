@@ -227,9 +227,9 @@ class EngineConfig:
             self.enforce_eager = default_enforce_eager()
         if self.attention_backend is None:
             self.attention_backend = "cpp" if torch.device(self.device).type == "cpu" else "torch"
-        if self.symmetric and self.quantization != "int4":
-            raise ValueError(f"symmetric: chooses int4's format (int8 weights are always symmetric), but quantization "
-                             f"is {self.quantization!r}")
+        from loom.quant.quantize import check_symmetric  # here: the quantizer's modules import this one
+
+        check_symmetric(self.quantization, self.symmetric)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r}, choose from {ATTENTION_BACKENDS}")
         self.model_config = ModelConfig.from_dir(self.model)

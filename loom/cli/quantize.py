@@ -10,10 +10,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("src", type=Path, help="Hugging Face model directory")
     p.add_argument("dst", type=Path, help="output directory")
     p.add_argument("--method", choices=["int8", "int4"], default="int8")
+    add_int4_options(p)
+    p.set_defaults(func=_run)
+
+
+def add_int4_options(p: argparse.ArgumentParser) -> None:
+    """int4's group size and form, for every command that quantizes."""
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
     p.add_argument("--symmetric", action="store_true",
                    help="int4 scales only, no zero points (llama.cpp's Q4_0 at group 32)")
-    p.set_defaults(func=_run)
 
 
 def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int, symmetric: bool = False) -> None:
@@ -24,14 +29,13 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int, symm
     from loom.models.loader import load_model
     from loom.quant.checkpoint import write_quantized_checkpoint
     from loom.quant.model import quantize_model
-    from loom.quant.quantize import check_options
+    from loom.quant.quantize import check_options, check_symmetric
 
     config = ModelConfig.from_dir(src)
     if config.quantization is not None:
         raise ValueError(f"{src}: already quantized ({config.quantization}); quantize the original")
     check_options(method, group_size)
-    if symmetric and method != "int4":
-        raise ValueError(f"--symmetric: chooses int4's format (int8 weights are always symmetric), not {method}'s")
+    check_symmetric(method, symmetric, "--symmetric")
     model = load_model(src, torch.float32, cfg=config)
     quantize_model(model, method, group_size, symmetric=symmetric)
     write_quantized_checkpoint(model, src, dst)

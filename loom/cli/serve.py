@@ -12,6 +12,7 @@ import os
 import threading
 
 from loom.cli.generate import add_engine_args
+from loom.cli.quantize import add_int4_options
 from loom.kv.policy import KV_POLICIES
 
 
@@ -32,9 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests waiting beyond those; more get 429 with Retry-After")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: sized by Loom)")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None)
-    p.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
-    p.add_argument("--symmetric", action="store_true",
-                   help="int4 scales only, no zero points (llama.cpp's Q4_0 at group 32)")
+    add_int4_options(p)
     p.add_argument("--enforce-eager", action="store_true", help="never compile decode steps")
     p.add_argument("--kv-policy", choices=KV_POLICIES, default="full",
                    help="KV-cache compression for requests that do not choose their own (kv_policy)")

@@ -29,6 +29,13 @@ def check_options(method: str, group_size: int, in_features: int | None = None, 
                              f"{f' of {name}' if name else ''}")
 
 
+def check_symmetric(method: str | None, symmetric: bool, field: str = "symmetric") -> None:
+    """`symmetric` chooses between int4's two forms; asked of anything else, it is an error."""
+    if symmetric and method != "int4":
+        raise ValueError(f"{field}: chooses int4's format (int8 weights are always symmetric), but quantization "
+                         f"is {method!r}")
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
