@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import random_prompts
 from loom import LLM, SamplingParams
-from loom.bench.latency import ATTENTION_OPS, LINEAR_OPS, kv_bytes, latency_engine, split_step_time, weight_bytes
+from loom.bench.latency import (ATTENTION_OPS, LINEAR_OPS, LoomDecodeRun, interleaved, kv_bytes, latency_engine,
+                                split_step_time, weight_bytes)
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.models.config import ModelConfig
@@ -85,3 +86,29 @@ def test_int4_weight_bytes_are_what_the_layers_hold(gqa, symmetric):
             held += q.numel() / 2 + 2 * scales.numel() + (0 if zeros is None else 2 * zeros.numel())
     assert (zeros is None) == symmetric
     assert weight_bytes(ModelConfig.from_dir(gqa[0]), "bfloat16", "int4", symmetric=symmetric) == held
+
+
+def test_decode_run_times_the_steps_after_the_prefill(gqa):
+    """Each timed run starts afresh: its prompts' step untimed, then the max_tokens - 1 decode steps
+    between two readings of the clock (the tests' counter: 1 ms apart)."""
+    run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
+    for _ in range(2):
+        assert run.time_decode() == pytest.approx(5 / 1e-3)
+        assert not run.engine.has_unfinished_requests()
+
+
+def test_interleaved_runs_take_turns_in_alternating_order():
+    """One untimed call each, then turns whose order reverses every time; a settle before every call."""
+    calls: list[str] = []
+    settled: list[int] = []
+
+    def run(name: str):
+        def call() -> float:
+            calls.append(name)
+            return float(len(calls))
+        return call
+
+    results = interleaved([run("a"), run("b")], repeats=3, settle=lambda: settled.append(len(calls)))
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert results == [[3.0, 6.0, 7.0], [4.0, 5.0, 8.0]]
+    assert settled == list(range(8))

@@ -90,6 +90,24 @@ def test_llamacpp_q8_0_runs(tiny_llama, tmp_path):
 
 
 @peers
+def test_llamacpp_decode_run_stays_loaded_between_runs(tiny_llama, tmp_path):
+    """The peer kept loaded for runs one at a time (batch 1 taking turns with Loom): every run
+    decodes the prompt afresh, greedy as transformers; a peer that cannot load says why."""
+    from loom.bench.llamacpp import LlamaCppDecodeRun
+    from loom.models.gguf import export_gguf
+
+    model_dir, model = tiny_llama
+    prompt = [1, 17, 200, 45, 3, 99, 128, 7, 64, 250, 12, 33]
+    gguf_path = export_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
+    with LlamaCppDecodeRun(gguf_path, prompt, max_tokens=8, threads=2) as run:
+        for _ in range(2):
+            run.time_decode()
+            assert run.generated_ids == hf_greedy(model, prompt, 8)
+    with pytest.raises(RuntimeError, match="llama.cpp peer ended"):
+        LlamaCppDecodeRun(tmp_path / "missing.gguf", prompt, max_tokens=8, threads=2)
+
+
+@peers
 def test_llamacpp_q8_0_kv_cache_greedy_matches_transformers(tmp_path):
     """llama.cpp's 8-bit cache (what `loom bench latency --kv-cache-dtype int8` gives it): f32
     weights, a short greedy run, the same tokens as transformers'."""

@@ -59,11 +59,17 @@ def _torch_dtype(dtype: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
 
-def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Peak read bandwidth in bytes/s: summing a buffer much larger than the caches."""
+def read_probe(nbytes: int = 512 * 2**20, repeats: int = 5) -> Callable[[], float]:
+    """A probe of the peak read bandwidth: each call returns bytes/s summing a buffer much larger
+    than the caches (allocated once, here), the best of `repeats`."""
     import torch
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / best_time(lambda: x.sum(), repeats)
+    return lambda: nbytes / best_time(lambda: x.sum(), repeats)
+
+
+def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Peak read bandwidth in bytes/s, one reading of `read_probe`."""
+    return read_probe(nbytes, repeats)()
 
 
 def _loom_linear(base: nn.Linear, dtype: str) -> nn.Module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,46 +60,89 @@ def latency_engine(model_dir: Path, dtype: str, quantization: str | None, batch:
                kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype)
 
 
+class LoomDecodeRun:
+    """An engine with `batch` requests of `prompt_len` tokens to decode `max_tokens` each, timed a
+    run at a time: `time_decode()` adds the requests, computes their prompts (one step), then times
+    the decode steps to the end and returns steps/s."""
+
+    def __init__(self, model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
+                 max_tokens: int, kv_cache_dtype: str = "auto", symmetric: bool = False) -> None:
+        # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
+        # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
+        # after four earlier engines in the same process).
+        gc.collect()
+        llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric)
+        vocab_size = llm.engine.config.model_config.vocab_size
+        self.prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(self.prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        self.engine = llm.engine
+
+    def prefill(self) -> None:
+        """The requests in and their prompts computed: every later step decodes."""
+        for p in self.prompts:
+            self.engine.add_request(p, self.params)
+        self.engine.step()
+
+    def time_decode(self) -> float:
+        self.prefill()
+        steps, start = 0, clock.now()
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            steps += 1
+        return steps / (clock.now() - start)
+
+    def breakdown(self, steps_per_s: float) -> dict[str, float]:
+        """Where a step's time goes, from one more run under the profiler (`decode_breakdown`),
+        and the step's time outside the linear layers and attention at `steps_per_s`."""
+        self.prefill()
+        step_ms = decode_breakdown(self.engine)
+        # The profiler's own cost lands outside the operators, in "other": the timed steps less the
+        # operators' profiled times give it without (two runs apart, so it carries their spread).
+        step_ms["step"] = 1e3 / steps_per_s
+        step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
+        return step_ms
+
+
+def loom_result(run: LoomDecodeRun, dtype: str, quantization: str | None, batch: int, rates: list[float],
+                kv_cache_dtype: str = "auto", symmetric: bool = False, breakdown: bool = True) -> dict:
+    """Loom's row of latency.json from the decode rates of `run`'s timed runs (medians), with
+    `run.breakdown` unless told not to."""
+    steps_per_s = statistics.median(rates)
+    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "symmetric": symmetric,
+              "kv_cache_dtype": kv_cache_dtype, "batch": batch, "steps_per_s": steps_per_s,
+              "tok_per_s": steps_per_s * batch, "all_steps_per_s": rates}
+    if breakdown:
+        result["step_ms"] = run.breakdown(steps_per_s)
+    return result
+
+
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
              repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True, symmetric: bool = False) -> dict:
     """Decode rates of `repeats` timed runs and, with `breakdown`, one more run under the profiler
     for where a step's time goes (`step_ms`)."""
-    # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
-    # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
-    # after four earlier engines in the same process).
-    gc.collect()
-    llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric)
-    vocab_size = llm.engine.config.model_config.vocab_size
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    engine, rates = llm.engine, []
+    run = LoomDecodeRun(model_dir, dtype, quantization, batch, prompt_len, max_tokens, kv_cache_dtype, symmetric)
+    rates = [run.time_decode() for _ in range(repeats)]
+    return loom_result(run, dtype, quantization, batch, rates, kv_cache_dtype, symmetric, breakdown)
 
-    def prefill() -> None:  # the requests in and their prompts computed: every later step decodes
-        for p in prompts:
-            engine.add_request(p, params)
-        engine.step()
 
-    for _ in range(repeats):
-        prefill()
-        steps, start = 0, clock.now()
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        rates.append(steps / (clock.now() - start))
-    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "symmetric": symmetric,
-              "kv_cache_dtype": kv_cache_dtype,
-              "batch": batch, "steps_per_s": statistics.median(rates), "tok_per_s": statistics.median(rates) * batch,
-              "all_steps_per_s": rates}
-    if breakdown:
-        prefill()
-        step_ms = decode_breakdown(engine)
-        # The profiler's own cost lands outside the operators, in "other": the timed steps less the
-        # operators' profiled times give it without (two runs apart, so it carries their spread).
-        step_ms["step"] = 1e3 / statistics.median(rates)
-        step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
-        result["step_ms"] = step_ms
-    return result
+def interleaved(runs: list[Callable[[], float]], repeats: int, settle: Callable[[], None]) -> list[list[float]]:
+    """Calls each of `runs` `repeats` times, taking turns, after one untimed call each; returns
+    each one's results. On a shared machine whose memory bandwidth moves by the minute, engines
+    timed a minute apart compare the machine's moods as much as the engines: taking turns puts
+    each pair seconds apart, and the order reverses every turn so that a drift weighs on all
+    alike. `settle()` runs before each call (a pause, so that the last engine's spinning threads
+    are idle before the next one starts)."""
+    for run in runs:
+        settle()
+        run()
+    results: list[list[float]] = [[] for _ in runs]
+    for turn in range(repeats):
+        order = range(len(runs)) if turn % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            settle()
+            results[i].append(runs[i]())
+    return results
 
 
 # Operators by where a decode step's time goes: the linear layers (every kernel their dispatch can
@@ -142,7 +186,7 @@ def split_step_time(self_us: dict[str, float], steps: int, elapsed_s: float) -> 
 def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    gc.collect()  # as in run_loom
+    gc.collect()  # as LoomDecodeRun does
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompt_ids(batch, prompt_len, model.config.vocab_size))
     mask = torch.ones_like(ids)

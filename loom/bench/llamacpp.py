@@ -174,6 +174,53 @@ def run_llamacpp(gguf_path: Path, prompt_token_ids: list[int], max_tokens: int, 
                         max_tokens=max_tokens, threads=threads, repeats=repeats, kv_cache_q8_0=kv_cache_q8_0)
 
 
+class LlamaCppDecodeRun:
+    """llama.cpp kept loaded in its peer venv for batch-1 decode runs timed one at a time, as
+    `run_llamacpp` times them: `time_decode()` runs one and returns its decode tokens/s. For
+    taking turns with another engine in the same minutes (`latency.interleaved`). Use as a
+    context manager: leaving it ends the peer process."""
+
+    def __init__(self, gguf_path: Path, prompt_token_ids: list[int], max_tokens: int, threads: int,
+                 kv_cache_q8_0: bool = False) -> None:
+        if max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2")
+        self.decode_steps = max_tokens - 1
+        kwargs = {"gguf_path": str(gguf_path), "prompt_token_ids": list(prompt_token_ids), "max_tokens": max_tokens,
+                  "threads": threads, "kv_cache_q8_0": kv_cache_q8_0}
+        self._proc = subprocess.Popen([str(ensure_llamacpp_venv()), "-I", str(Path(__file__).resolve()), "serve",
+                                       json.dumps(kwargs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        self._reply()  # loaded
+
+    def _reply(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            raise RuntimeError(f"llama.cpp peer ended (exit code {self._proc.returncode}):\n"
+                               f"{self._proc.stderr.read()[-4000:]}")
+        return json.loads(line)
+
+    def time_decode(self) -> float:
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        reply = self._reply()
+        self.generated_ids: list[int] = reply["generated_ids"]
+        return self.decode_steps / reply["decode_s"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            self._proc.wait()
+        self._proc.stdout.close()
+        self._proc.stderr.close()
+
+    def __enter__(self) -> LlamaCppDecodeRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _run_in_peer(command: str, **kwargs: object) -> dict:
     python = ensure_llamacpp_venv()
     # -I: the script's folder (loom/bench) must not shadow modules of the peer venv.
@@ -186,9 +233,9 @@ def _run_in_peer(command: str, **kwargs: object) -> dict:
 
 # ---- what follows runs inside the peer venv (numpy, gguf, llama_cpp) ----
 
-def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads: int, repeats: int,
-          kv_cache_q8_0: bool) -> dict:
-    import statistics
+def _decoder(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads: int, kv_cache_q8_0: bool):
+    """The model loaded; returns a function that runs the prompt and max_tokens - 1 decode steps
+    afresh, greedy, and returns (prefill seconds, decode seconds, the ids generated)."""
     import time
 
     import llama_cpp
@@ -203,8 +250,7 @@ def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads:
     def last_argmax() -> int:  # Llama.eval keeps no logits unless logits_all: read llama.cpp's own
         return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
 
-    prefill_s, decode_s, first_ids = [], [], None
-    for _ in range(repeats):
+    def run() -> tuple[float, float, list[int]]:
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt_token_ids)
@@ -213,9 +259,21 @@ def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads:
         for _ in range(max_tokens - 1):
             llm.eval(ids[-1:])
             ids.append(last_argmax())
-        t2 = time.perf_counter()
-        prefill_s.append(t1 - t0)
-        decode_s.append(t2 - t1)
+        return t1 - t0, time.perf_counter() - t1, ids
+
+    return run
+
+
+def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads: int, repeats: int,
+          kv_cache_q8_0: bool) -> dict:
+    import statistics
+
+    run = _decoder(gguf_path, prompt_token_ids, max_tokens, threads, kv_cache_q8_0)
+    prefill_s, decode_s, first_ids = [], [], None
+    for _ in range(repeats):
+        prefill, decode, ids = run()
+        prefill_s.append(prefill)
+        decode_s.append(decode)
         first_ids = first_ids or ids
     decode = statistics.median(decode_s)
     return {"engine": "llama.cpp", "batch_size": 1,
@@ -226,6 +284,20 @@ def _time(gguf_path: str, prompt_token_ids: list[int], max_tokens: int, threads:
             "decode_tok_per_s_all": [(max_tokens - 1) / s for s in decode_s], "generated_ids": first_ids}
 
 
+def _serve(**kwargs: object) -> None:
+    """Loads the model, says so, then runs and reports one decode for each "run" line read, until
+    its input ends (LlamaCppDecodeRun's side)."""
+    run = _decoder(**kwargs)
+    print(json.dumps({"loaded": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            prefill, decode, ids = run()
+            print(json.dumps({"prefill_s": prefill, "decode_s": decode, "generated_ids": ids}), flush=True)
+
+
 if __name__ == "__main__":
     _command, _kwargs = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"time": _time}[_command](**_kwargs)))
+    if _command == "serve":
+        _serve(**_kwargs)
+    else:
+        print(json.dumps({"time": _time}[_command](**_kwargs)))

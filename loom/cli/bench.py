@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -893,14 +894,19 @@ LATENCY_VARIANTS = [("float32", None, False, "f32"), ("bfloat16", None, False, "
 
 
 def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
-    """One pass over every engine and variant (Loom, then its peers for the same weights)."""
+    """One pass over every engine and variant (Loom, then its peers for the same weights). At
+    batch 1 Loom and llama.cpp take turns run by run (`latency.interleaved`)."""
     from loom.bench import latency, llamacpp
 
     rows = []
     for dtype, quant, symmetric, gguf_type in LATENCY_VARIANTS:
+        peer = None
         for batch in args.batches:
-            r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats,
-                                 args.kv_cache_dtype, symmetric=symmetric)
+            if batch == 1 and not args.no_llamacpp:
+                r, peer = _latency_pair(args, model, cfg, dtype, quant, symmetric, gguf_type)
+            else:
+                r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats,
+                                     args.kv_cache_dtype, symmetric=symmetric)
             rows.append(r)
             print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a step, ms: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()), flush=True)
@@ -910,7 +916,7 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
                 rows.append(r)
                 print(f"hf {dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s", flush=True)
         if not args.no_llamacpp:
-            rows.append(_llamacpp_row(args, llamacpp.peer_gguf(model, gguf_type), gguf_type, cfg))
+            rows.append(peer or _llamacpp_row(args, llamacpp.peer_gguf(model, gguf_type), gguf_type, cfg))
     for checkpoint in args.checkpoints:
         for batch in args.batches:
             r = latency.run_loom(checkpoint, "bfloat16", None, batch, args.prompt_len, args.max_tokens, args.repeats,
@@ -923,6 +929,40 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
         source = gguf_source(args.gguf)
         rows.append(_llamacpp_row(args, source, gguf_file_type(source), cfg, source=True))
     return rows
+
+
+# Before each timed run of a pair: the other engine's threads spin a little after their last
+# work (OpenMP's and ggml's) before they sleep.
+_SETTLE_S = 0.05
+
+
+def _latency_pair(args: argparse.Namespace, model: Path, cfg, dtype: str, quant: str | None, symmetric: bool,
+                  gguf_type: str) -> tuple[dict, dict]:
+    """Loom's and llama.cpp's batch-1 rows of one variant, their runs taking turns with a probe of
+    the read bandwidth beside Loom's (`latency.interleaved`): Loom's row has the MBU of each turn
+    against its own probe ("mbu_turns"), llama.cpp's each turn's Loom / llama.cpp ratio
+    ("paired_ratios")."""
+    from loom.bench import latency, llamacpp
+    from loom.bench.calibrate import read_probe
+
+    prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
+    run = latency.LoomDecodeRun(model, dtype, quant, 1, args.prompt_len, args.max_tokens, args.kv_cache_dtype,
+                                symmetric)
+    with llamacpp.LlamaCppDecodeRun(llamacpp.peer_gguf(model, gguf_type), prompt, args.max_tokens, args.threads,
+                                    kv_cache_q8_0=args.kv_cache_dtype == "int8") as peer:
+        reads, mine, theirs = latency.interleaved([read_probe(), run.time_decode, peer.time_decode], args.repeats,
+                                                  lambda: time.sleep(_SETTLE_S))
+    row = latency.loom_result(run, dtype, quant, 1, mine, args.kv_cache_dtype, symmetric)
+    row["read_GBps_turns"] = [r / 1e9 for r in reads]
+    row["mbu_turns"] = [latency.mbu(cfg, dtype, quant, 1, args.prompt_len + args.max_tokens // 2, rate, read,
+                                    args.kv_cache_dtype, symmetric) for rate, read in zip(mine, reads)]
+    paired = [a / b for a, b in zip(mine, theirs)]
+    peer_row = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": statistics.median(theirs),
+                "steps_per_s": statistics.median(theirs), "all_steps_per_s": theirs, "paired_ratios": paired}
+    print(f"llama.cpp {gguf_type} batch 1: {peer_row['tok_per_s']:.1f} tok/s; Loom / llama.cpp by turn: "
+          + ", ".join(f"{x:.2f}" for x in paired) + "; Loom's MBU by turn: "
+          + ", ".join(f"{x:.2f}" for x in row["mbu_turns"]), flush=True)
+    return row, peer_row
 
 
 def _llamacpp_row(args: argparse.Namespace, gguf: Path, gguf_type: str, cfg, source: bool = False) -> dict:
@@ -989,9 +1029,11 @@ def _latency(args: argparse.Namespace) -> None:
     model, _ = _setup(args)
     cfg = ModelConfig.from_dir(model)
     # Whole rounds, each running every engine, so that each ratio compares runs minutes apart
-    # rather than a round apart on a shared machine; medians over rounds. The machine's read
-    # bandwidth itself moves between phases (here: ~40 and ~70 GB/s), so it is probed before
-    # every round, and MBU is taken against the highest probe: what the machine showed it can do.
+    # rather than a round apart on a shared machine; medians over rounds. Within a round, Loom and
+    # llama.cpp take turns at batch 1, seconds apart. The machine's read bandwidth itself moves
+    # between phases (here: ~40 and ~70 GB/s), so it is probed before every round, and MBU is
+    # taken against the highest probe (what the machine showed it can do), or at batch 1 beside
+    # llama.cpp against the probe read beside each of Loom's runs.
     rounds, peaks = [], []
     for i in range(args.rounds):
         peaks.append(memory_bandwidth())
@@ -1008,8 +1050,13 @@ def _latency(args: argparse.Namespace) -> None:
                    tok_per_s_rounds=[r["tok_per_s"] for r in samples])
         if "step_ms" in first:  # Loom's: where a step's time goes, medians over rounds
             row["step_ms"] = {k: statistics.median(r["step_ms"][k] for r in samples) for k in first["step_ms"]}
+        for turns in ("paired_ratios", "mbu_turns", "read_GBps_turns"):
+            if turns in first:
+                row[turns] = [x for r in samples for x in r[turns]]
+        if "mbu_turns" in row:  # each turn against the probe read beside it
+            row["mbu"] = statistics.median(row["mbu_turns"])
         # llama.cpp's weights' bytes per step are not Loom's; a checkpoint's format is its own
-        if first["engine"] != "llama.cpp" and "checkpoint" not in first:
+        elif first["engine"] != "llama.cpp" and "checkpoint" not in first:
             row["mbu"] = latency.mbu(cfg, row["dtype"], row.get("quantization"), row["batch"],
                                      args.prompt_len + args.max_tokens // 2, row["steps_per_s"], peak,
                                      args.kv_cache_dtype, row.get("symmetric", False))
@@ -1017,6 +1064,13 @@ def _latency(args: argparse.Namespace) -> None:
     per_round = [_latency_ratios(rnd) for rnd in rounds]
     ratios = {k: {"median": statistics.median(rr[k] for rr in per_round), "rounds": [rr[k] for rr in per_round]}
               for k in per_round[0]}
+    for dtype, quant, _, gguf_type in LATENCY_VARIANTS:  # llama.cpp's turns, where they took turns
+        peer = next((r for r in rows if r["engine"] == "llama.cpp" and r["dtype"] == gguf_type
+                     and "paired_ratios" in r), None)
+        if peer:
+            turns = ratios[f"batch 1: {quant or dtype} / llama.cpp {gguf_type}"]
+            turns["turns"] = peer["paired_ratios"]
+            turns["turns_median"] = statistics.median(peer["paired_ratios"])
     for r in rows:
         print(f"{r['engine']} {_variant(r)} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
               + (f", MBU {r['mbu']:.2f}" if "mbu" in r else "")
@@ -1024,7 +1078,9 @@ def _latency(args: argparse.Namespace) -> None:
                  f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other_unprofiled']:.2f} "
                  f"({r['step_ms']['other']:.2f} profiled)" if "step_ms" in r else ""))
     for k, v in ratios.items():
-        print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})")
+        print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})"
+              + (f"; by turn {v['turns_median']:.2f}x ({min(v['turns']):.2f}-{max(v['turns']):.2f})"
+                 if "turns" in v else ""))
     kind = "latency-kv-int8" if args.kv_cache_dtype == "int8" else "latency"
     path = write_report(report_name(kind, model, reference_model_dir()), {"model": str(model), "prompt_len": args.prompt_len,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats, "rounds": args.rounds,
