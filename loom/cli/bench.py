@@ -1107,7 +1107,7 @@ def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int, kv
     batch1 = [r for r in rows if r["batch"] == 1]
     cache = ", 8-bit KV caches" if kv_cache_dtype == "int8" else ""
     bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads{cache}",
-             [f"{ENGINE_LABELS[r['engine']]}\n{_variant(r)}" for r in batch1],
+             [ENGINE_LABELS[r["engine"]] + "\n" + _variant(r).replace(" ", "\n") for r in batch1],
              [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")
 
 
