@@ -517,12 +517,6 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
   const bool dot = fast && std::is_same_v<C, c10::BFloat16> && !scored.rows;
 #endif
   constexpr int64_t ahead = kAheadFor<C>;
-  // Tasks go kv head by kv head, each over every sequence: the threads' contiguous shares then
-  // split the heads, not the sequences, and all heads of a sequence are as long as it is, so the
-  // shares stay even however the sequences' lengths differ (split by sequence, random lengths took
-  // up to 1.16x the time at batch 3 to 48, and the same where both halves were as long).
-  auto sequence_of = [batch](int64_t task) { return task % batch; };
-  auto kv_head_of = [batch](int64_t task) { return task / batch; };
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp, value_scales;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -533,7 +527,7 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
     const auto [low, high] = interleave_orders();
 #endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = sequence_of(task), kvh = kv_head_of(task);
+      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
       const int32_t* table = block_tables + b * max_blocks;
       if (ctx == 0) {  // a shard of the sequence's keys that holds none of them: nothing to attend
@@ -586,9 +580,9 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
         // this task's softmax and the next one's start (batch 64: 1.06x less time; pools of the
         // model's dtype timed the same with it and without).
         if (const int64_t next = task + 1, nj = j + ahead - num_blocks; quantized && nj >= 0 && next < end) {
-          const int64_t nb = sequence_of(next);
+          const int64_t nb = next / num_kv_heads;
           if (nj * BS < context_lens[nb])
-            prefetch_kv_block<BS>(k_cache, v_cache, kv_scales, block_tables + nb * max_blocks, nj, kv_head_of(next),
+            prefetch_kv_block<BS>(k_cache, v_cache, kv_scales, block_tables + nb * max_blocks, nj, next % num_kv_heads,
                                   num_kv_heads, head_dim);
         }
         for (int64_t g = 0; g < group; ++g) {
