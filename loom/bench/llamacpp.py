@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,34 +186,43 @@ class LlamaCppDecodeRun:
         if max_tokens < 2:
             raise ValueError("max_tokens must be >= 2")
         self.decode_steps = max_tokens - 1
+        self.generated_ids: list[int] = []  # by the last run
         kwargs = {"gguf_path": str(gguf_path), "prompt_token_ids": list(prompt_token_ids), "max_tokens": max_tokens,
                   "threads": threads, "kv_cache_q8_0": kv_cache_q8_0}
+        # The peer's stderr goes to a file, read if it fails: a pipe nobody reads while it runs
+        # would stall it once full.
+        self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen([str(ensure_llamacpp_venv()), "-I", str(Path(__file__).resolve()), "serve",
                                        json.dumps(kwargs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-        self._reply()  # loaded
+                                      stderr=self._stderr, text=True)
+        try:
+            self._reply()  # loaded
+        except RuntimeError:
+            self.close()
+            raise
 
     def _reply(self) -> dict:
         line = self._proc.stdout.readline()
         if not line:
             self._proc.wait()
+            self._stderr.seek(0)
             raise RuntimeError(f"llama.cpp peer ended (exit code {self._proc.returncode}):\n"
-                               f"{self._proc.stderr.read()[-4000:]}")
+                               f"{self._stderr.read()[-4000:]}")
         return json.loads(line)
 
     def time_decode(self) -> float:
         self._proc.stdin.write("run\n")
         self._proc.stdin.flush()
         reply = self._reply()
-        self.generated_ids: list[int] = reply["generated_ids"]
+        self.generated_ids = reply["generated_ids"]
         return self.decode_steps / reply["decode_s"]
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
-            self._proc.wait()
+        if not self._proc.stdin.closed:
+            self._proc.stdin.close()  # the peer's loop ends with its input
+        self._proc.wait()
         self._proc.stdout.close()
-        self._proc.stderr.close()
+        self._stderr.close()
 
     def __enter__(self) -> LlamaCppDecodeRun:
         return self
