@@ -2,6 +2,9 @@
 engine, checked without timing anything."""
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -112,3 +115,36 @@ def test_interleaved_runs_take_turns_in_alternating_order():
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert results == [[3.0, 6.0, 7.0], [4.0, 5.0, 8.0]]
     assert settled == list(range(8))
+
+
+def test_latency_report_keeps_every_turn(gqa, tmp_path, monkeypatch):
+    """`loom bench latency`'s report from its rounds (given here): where Loom and llama.cpp took
+    turns, Loom's MBU is the median of every turn's (each against its own probe), and the ratio
+    to llama.cpp keeps every turn's beside the median over rounds."""
+    from loom.bench import calibrate
+    from loom.cli import bench
+    from loom.models import reference
+
+    def round_rows(loom_rate: float, peer_rate: float, mbus: list[float], paired: list[float]) -> list[dict]:
+        step_ms = {"profiled_step": 2.0, "linear": 1.0, "attention": 0.5, "other": 0.5, "step": 2.0,
+                   "other_unprofiled": 0.5}
+        return [{"engine": "loom", "dtype": "bfloat16", "quantization": None, "batch": 1, "tok_per_s": loom_rate,
+                 "steps_per_s": loom_rate, "all_steps_per_s": [loom_rate], "step_ms": step_ms, "mbu_turns": mbus,
+                 "read_GBps_turns": [50.0] * len(mbus)},
+                {"engine": "llama.cpp", "dtype": "bf16", "batch": 1, "tok_per_s": peer_rate, "steps_per_s": peer_rate,
+                 "all_steps_per_s": [peer_rate], "paired_ratios": paired}]
+
+    rounds = iter([round_rows(120.0, 100.0, [0.7, 0.9], [1.1, 1.3]), round_rows(150.0, 100.0, [0.8, 0.6], [1.5, 1.6])])
+    monkeypatch.setattr(bench, "_latency_round", lambda args, model, cfg: next(rounds))
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 50e9)
+    monkeypatch.setattr(reference, "reference_model_dir", lambda: tmp_path / "reference")
+    args = argparse.Namespace(model=str(gqa[0]), threads=2, out_dir=tmp_path, rounds=2, prompt_len=8, max_tokens=4,
+                              repeats=2, kv_cache_dtype="auto")
+    bench._latency(args)
+    report = json.loads((tmp_path / f"latency-{gqa[0].name}.json").read_text())
+    loom_row, peer_row = report["results"]
+    assert loom_row["mbu_turns"] == [0.7, 0.9, 0.8, 0.6] and loom_row["mbu"] == pytest.approx(0.75)
+    assert loom_row["tok_per_s"] == pytest.approx(135.0) and peer_row["paired_ratios"] == [1.1, 1.3, 1.5, 1.6]
+    ratio = report["ratios"]["batch 1: bfloat16 / llama.cpp bf16"]
+    assert ratio["rounds"] == pytest.approx([1.2, 1.5]) and ratio["median"] == pytest.approx(1.35)
+    assert ratio["turns"] == [1.1, 1.3, 1.5, 1.6] and ratio["turns_median"] == pytest.approx(1.4)
