@@ -100,19 +100,36 @@ def test_model_plans_give_the_compiled_graphs_switch_points():
 
 
 def test_calibration_checks_its_own_choice(tmp_path, monkeypatch):
-    """On small layers, quickly, on the tests' counter clock: every candidate is run at every
-    count, the plan names only candidates, and the dispatched layers were run again against each
-    candidate. (Which kernel wins is a timing, reported by `loom calibrate --linears`, not
-    asserted.)"""
+    """On small layers, with the timing given (a figure per kernel and token count, nothing timed):
+    every candidate and the dispatched layers are run at every count, the plan picks the fastest
+    figure at each count, and the check compares the plan's pick with the fastest of the second
+    pass. (Which kernel wins on a machine is a timing, reported by `loom calibrate --linears`.)"""
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    ran: list[set[str]] = []  # the names run by each call: counts 1, 4, then 1, 4 again, per format
+
+    def given_ms(kernels: dict, repeats: int) -> dict[str, float]:
+        first_count = len(ran) % 2 == 0
+        ran.append(set(kernels))
+        for fns in kernels.values():
+            for fn in fns:
+                fn()
+        # The winner changes with the count: the first name at 1 token, the last at 4.
+        return {name: float(rank + 1 if first_count else len(kernels) - rank)
+                for rank, name in enumerate(sorted(kernels))}
+
+    monkeypatch.setattr(dispatch, "_fastest_ms", given_ms)
     result = dispatch.calibrate(tokens=(1, 4), shapes=((64, 32), (32, 64)), copies=2, repeats=2,
                                 formats=("bf16", "int8"))
     for fmt in ("bf16", "int8"):
         kernels = set(candidates(fmt, PANELS))
         assert set(result["ms"][fmt]) == kernels | {"dispatched"}
-        assert all(len(times) == 2 and all(t > 0 for t in times) for times in result["ms"][fmt].values())
-        assert {kernel for _, kernel in result["plans"][fmt]} <= kernels and result["plans"][fmt][-1][0] == 4
-        assert len(result["check"][fmt]) == 2 and all(r > 0 for r in result["check"][fmt])
+        assert all(len(times) == 2 for times in result["ms"][fmt].values())
+        fastest = [min(kernels, key=lambda k: result["ms"][fmt][k][i]) for i in range(2)]
+        assert [choose(tuple(map(tuple, result["plans"][fmt])), m) for m in (1, 4)] == fastest
+        assert result["plans"][fmt][-1][0] == 4
+        assert len(result["check"][fmt]) == 2
+    assert ran == [set(candidates(fmt, PANELS)) | extra for fmt in ("bf16", "int8")
+                   for extra in (set(), set(), {"forward"}, {"forward"})]
     dispatch.save_plans(result)
     assert load_plan("int8") == tuple(tuple(step) for step in result["plans"]["int8"])
     assert json.loads(dispatch.plan_path().read_text())["family"] == cpu_family()

@@ -84,12 +84,19 @@ class LoomDecodeRun:
             self.engine.add_request(p, self.params)
         self.engine.step()
 
-    def time_decode(self) -> float:
-        self.prefill()
-        steps, start = 0, clock.now()
+    def decode_steps(self) -> int:
+        """Runs the engine's steps to the end (every one a decode step after `prefill`); returns
+        how many ran."""
+        steps = 0
         while self.engine.has_unfinished_requests():
             self.engine.step()
             steps += 1
+        return steps
+
+    def time_decode(self) -> float:
+        self.prefill()
+        start = clock.now()
+        steps = self.decode_steps()
         return steps / (clock.now() - start)
 
     def breakdown(self, steps_per_s: float) -> dict[str, float]:
