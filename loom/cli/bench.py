@@ -957,12 +957,17 @@ def _latency_pair(args: argparse.Namespace, model: Path, cfg, dtype: str, quant:
     row["mbu_turns"] = [latency.mbu(cfg, dtype, quant, 1, args.prompt_len + args.max_tokens // 2, rate, read,
                                     args.kv_cache_dtype, symmetric) for rate, read in zip(mine, reads)]
     paired = [a / b for a, b in zip(mine, theirs)]
-    peer_row = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": statistics.median(theirs),
-                "steps_per_s": statistics.median(theirs), "all_steps_per_s": theirs, "paired_ratios": paired}
+    peer_row = dict(_llamacpp_result(gguf_type, statistics.median(theirs), theirs), paired_ratios=paired)
     print(f"llama.cpp {gguf_type} batch 1: {peer_row['tok_per_s']:.1f} tok/s; Loom / llama.cpp by turn: "
           + ", ".join(f"{x:.2f}" for x in paired) + "; Loom's MBU by turn: "
           + ", ".join(f"{x:.2f}" for x in row["mbu_turns"]), flush=True)
     return row, peer_row
+
+
+def _llamacpp_result(gguf_type: str, tok_per_s: float, all_tok_per_s: list[float]) -> dict:
+    """llama.cpp's row of latency.json (batch 1: a token a step)."""
+    return {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": tok_per_s, "steps_per_s": tok_per_s,
+            "all_steps_per_s": all_tok_per_s}
 
 
 def _llamacpp_row(args: argparse.Namespace, gguf: Path, gguf_type: str, cfg, source: bool = False) -> dict:
@@ -972,8 +977,7 @@ def _llamacpp_row(args: argparse.Namespace, gguf: Path, gguf_type: str, cfg, sou
     prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
     r = llamacpp.run_llamacpp(gguf, prompt, args.max_tokens, args.threads, args.repeats,
                               kv_cache_q8_0=args.kv_cache_dtype == "int8")
-    row = {"engine": "llama.cpp", "dtype": gguf_type, "batch": 1, "tok_per_s": r["decode_tok_per_s"],
-           "steps_per_s": r["decode_tok_per_s"], "all_steps_per_s": r["decode_tok_per_s_all"]}
+    row = _llamacpp_result(gguf_type, r["decode_tok_per_s"], r["decode_tok_per_s_all"])
     if source:
         row["source_file"] = gguf.name
     print(f"llama.cpp {gguf_type}{' (' + gguf.name + ')' if source else ''} batch 1: {row['tok_per_s']:.1f} tok/s",
