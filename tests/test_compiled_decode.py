@@ -1,7 +1,8 @@
 """The compiled decode path (torch.compile of decode-only steps) against eager execution.
 
 One engine per case, each generating for prompts of different lengths and budgets, so the
-compiled graph sees batch sizes shrink and contexts cross block boundaries (dynamic shapes)."""
+compiled graph sees batch sizes shrink and contexts cross block boundaries (dynamic shapes).
+The C++ decode step, which would serve most of these steps, is off here (test_decode_step.py)."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,16 @@ from conftest import build_hf_model
 
 from loom import LLM, SamplingParams
 from loom.engine import decode_graphs
+from loom.engine.decode_step import DecodeStep
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
            {"prompt_token_ids": [7] * 3}]
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
+
+
+@pytest.fixture(autouse=True)
+def graphs_only(monkeypatch):
+    monkeypatch.setattr(DecodeStep, "build", staticmethod(lambda *args: None))
 
 
 def run(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]:

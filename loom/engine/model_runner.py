@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from loom.config import EngineConfig
 from loom.engine.decode_graphs import DecodeGraphs
+from loom.engine.decode_step import DecodeStep
 from loom.engine.sequence import Sequence
 from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, PromptScores
@@ -108,6 +109,10 @@ class ModelRunner:
             enable_fusion(self.model)  # eager (prefill) steps fuse their elementwise layers too
             self.decode_graphs = DecodeGraphs(self.model, self.cache, options, layout)
             self._prepare_decode_graphs()
+        # Decode steps it serves run as one C++ call instead (loom/engine/decode_step.py).
+        self.decode_step = None
+        if self.decode_graphs is not None and self.parallel.world_size == 1:
+            self.decode_step = DecodeStep.build(self.model, self.cache, config.scheduler.max_num_seqs)
 
     def _agreed(self, *counts: int) -> tuple[int, ...]:
         """The smallest of each count over the ranks (each rank sizes its pool from its own
@@ -149,6 +154,8 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  decode_only: bool) -> torch.Tensor:
+        if self.decode_step is not None and decode_only and self.decode_step.serves(meta):
+            return self.decode_step(ids, positions, meta)
         if self.decode_graphs is not None and decode_only:
             return self.decode_graphs(ids, positions, meta)
         return self.model(ids, positions, self.cache, meta)

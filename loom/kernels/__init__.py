@@ -14,6 +14,8 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_isa              which vector path those kernels were built with (AVX-512 BF16, AVX2)
+  DecodeStep              a Llama-family model's whole decode step in one call, over the
+                          kernels above (a class: `torch.classes.loom.DecodeStep`; decode_step.cpp)
   shm_open_group, shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_all_to_all  the
                           collectives between the processes of one machine, through shared
                           memory (shm_all_reduce.cpp), for parallel ranks; the all-to-all
@@ -32,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "linear.cpp", "shm_all_reduce.cpp")
+SOURCES = ("paged_attention.cpp", "linear.cpp", "decode_step.cpp", "shm_all_reduce.cpp")
 
 
 @functools.cache

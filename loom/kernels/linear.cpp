@@ -794,6 +794,9 @@ const uint16_t* check_int4(const at::Tensor& q, const at::Tensor& scale, const s
   return reinterpret_cast<const uint16_t*>(zero->data_ptr<at::BFloat16>());
 }
 
+}  // namespace
+
+// The operators (and decode_step.cpp's calls).
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t K);
 at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                            int64_t group_size, int64_t K, int64_t N);
@@ -940,8 +943,6 @@ at::Tensor int4_dequantize(const at::Tensor& q, const at::Tensor& scale, const s
   });
 #endif
 }
-
-}  // namespace
 
 // Which vector paths this build has: "avx512_bf16", "avx2", or "" (then dense_linear is
 // unavailable and the quantized kernels are plain loops).

@@ -1,0 +1,104 @@
+"""A Llama-family model's decode step as one C++ call (loom/kernels/decode_step.cpp).
+
+At batch 1 a decode step's weights stream in about a millisecond, and a compiled graph's own work
+(its inputs' handles, its custom-op calls, its buffers, its Python wrappers) came to a fifth of
+that again. `DecodeStep` holds the model's weights and the KV pools from load on and runs the
+whole step, embedding to final norm, in Loom's C++: one call a step, with the step's five tensors.
+
+It serves the steps it can compute exactly as the model does: a `LlamaForCausalLM` (Llama,
+Mistral, Qwen2; MHA, GQA, MQA) in one process, every linear layer on Loom's own kernels at the
+step's batch size (the panel and weight-only kernels, by each layer's dispatch plan), rotary on
+every dim, attention by Loom's C++ backend, and no KV policy scoring the step. Other steps run
+through the compiled decode graphs.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loom.kernels import load_kernels
+from loom.kv.attention import AttentionMetadata, PagedAttention
+from loom.kv.cache import KVCache
+from loom.layers.dispatch import Plan
+from loom.layers.linear import DenseLinear
+from loom.models.llama import LlamaForCausalLM
+from loom.quant.linear import WeightOnlyLinear
+
+logger = logging.getLogger(__name__)
+
+_OWN_KERNELS = frozenset({"panel", "weight_only"})
+_KINDS = {"int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind; dense panels are 0
+
+
+def _own_until(plan: Plan) -> float:
+    """The largest token count up to which `plan` runs Loom's own kernel at every count."""
+    until = 0
+    for bound, kernel in plan:
+        if kernel not in _OWN_KERNELS:
+            return until
+        until = bound
+    return float("inf")  # the last entry covers every larger count
+
+
+def _unserved(model: torch.nn.Module) -> str | None:
+    """Why `model`'s decode steps cannot run as one C++ call, or None."""
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not a Llama-family model"
+    for layer in model.layers:
+        attn = layer.self_attn
+        if type(attn.attn) is not PagedAttention or attn.attn.backend != "cpp":
+            return "attention is not Loom's C++ paged attention"
+        if attn.rotary.rotary_dim:
+            return "rotary embedding on part of each head"
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not (isinstance(linear, DenseLinear) and linear.packed or isinstance(linear, WeightOnlyLinear)):
+                return f"a linear layer ({type(linear).__name__}) not on Loom's kernels"
+    return None
+
+
+class DecodeStep:
+    """`step(ids, positions, meta)`: the final hidden states of a decode-only step that
+    `step.serves(meta)`."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int) -> None:
+        load_kernels()
+        first = model.layers[0].self_attn
+        cfg = model.config
+        # The largest batch every layer runs on Loom's own kernels.
+        linears = [m for m in model.modules() if isinstance(m, (DenseLinear, WeightOnlyLinear)) and m is not model.lm_head]
+        self.max_batch = min(max_batch, *(_own_until(m.plan) for m in linears))
+        self.step = torch.classes.loom.DecodeStep(
+            model.embed_tokens.weight, model.norm.weight, first.rotary.cos, first.rotary.sin, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, model.norm.eps, first.attn.scale)
+        dtype = model.embed_tokens.weight.dtype
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                bias = None if linear.bias is None else linear.bias.to(dtype)
+                if isinstance(linear, DenseLinear):
+                    self.step.add_linear(0, linear.weight, None, None, bias, 0, linear.out_features)
+                else:
+                    self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
+                                         linear.group_size, linear.out_features)
+            pools = [p[i] for keys, values in cache.pools() for p in (keys, values)]
+            self.step.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, pools)
+
+    @staticmethod
+    def build(model: torch.nn.Module, cache: KVCache, max_batch: int) -> DecodeStep | None:
+        """The model's C++ decode step, or None (logged with the reason) where it cannot serve."""
+        reason = _unserved(model)
+        if reason is None:
+            step = DecodeStep(model, cache, max_batch)
+            if step.max_batch >= 1:
+                logger.info("decode steps of up to %d rows run as one C++ call", step.max_batch)
+                return step
+            reason = "no linear layer runs Loom's own kernel at batch 1"
+        logger.info("decode steps run through compiled graphs only: %s", reason)
+        return None
+
+    def serves(self, meta: AttentionMetadata) -> bool:
+        return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)

@@ -1,0 +1,336 @@
+// A Llama-family model's whole decode step in one call: embedding, every decoder layer (RMSNorm,
+// fused QKV projection, rotary embedding, the new keys and values into the paged pool, decode
+// attention, O projection, RMSNorm, fused gate/up, SwiGLU, down projection, the residual adds),
+// then the final norm; the hidden states out, for the LM head.
+//
+// At batch 1 a compiled decode graph spends about as long on its own work as on the fused
+// elementwise kernels and attention together: a tensor handle for each of its ~150 inputs, a
+// boxed dispatcher call for each of its ~60 custom-op calls, ~60 buffers allocated and freed,
+// and two Python wrappers. Here the weights and pools are held from load on, the kernels of
+// linear.cpp and paged_attention.cpp are plain C++ calls, and the elementwise layers are loops
+// over the step's few rows.
+//
+// Its results are bit for bit those of the compiled decode graphs (and, but for the order of the
+// norms' sums, of eager PyTorch): every layer's result is rounded to the model's dtype where
+// eager execution rounds it, the elementwise code is built without -ffast-math (no fused
+// multiply-adds, true divisions and square roots), SiLU's exponential is the one ATen's and
+// inductor's vector code calls (SLEEF's), and a norm's sum of squares is added in the order of
+// inductor's vectorized reduction.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+// The kernels this step calls (linear.cpp, paged_attention.cpp; the same library).
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& zero, int64_t group_size, int64_t N);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, double scale,
+                                                          const std::optional<at::Tensor>& key_scales,
+                                                          const std::optional<at::Tensor>& value_scales);
+void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k_in, const at::Tensor& v_in,
+              const at::Tensor& slots_in);
+std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in);
+
+#ifdef __AVX512F__
+extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu
+#endif
+
+namespace {
+
+// A linear layer as its module holds it, run by the kernel its plan names at decode batch sizes.
+struct Linear {
+  enum Kind : int64_t { kPanel = 0, kInt8 = 1, kInt4 = 2 };
+  int64_t kind;
+  at::Tensor weight;  // panel-layout weights (fp32 / bf16), or the int8 / int4 codes
+  std::optional<at::Tensor> scale, zero, bias;
+  int64_t group_size, out_features;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    // Named as the operators are, so that a profile of the step counts them alike.
+    static constexpr const char* kNames[] = {"loom::dense_linear", "loom::int8_linear", "loom::int4_linear"};
+    RECORD_FUNCTION(kNames[kind], std::vector<c10::IValue>());
+    at::Tensor y = kind == kPanel  ? dense_linear(x, weight, out_features)
+                   : kind == kInt8 ? int8_linear(x, weight, *scale)
+                                   : int4_linear(x, weight, *scale, zero, group_size, out_features);
+    if (bias) y.add_(*bias);  // rounded once to y's dtype, as eager's out + bias
+    return y;
+  }
+};
+
+}  // namespace
+
+// The elementwise layers, in IEEE arithmetic (the library is built with -ffast-math): no fused
+// multiply-adds, no reassociation, true divisions and square roots. Everything they call is
+// defined in this region, so that it inlines and vectorizes under the same options.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+namespace {
+
+// Lanes of one fp32 vector, as ATen's vector code has them on this build's CPU.
+#ifdef __AVX512F__
+constexpr int kVecLanes = 16;
+#else
+constexpr int kVecLanes = 8;
+#endif
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// fp32 -> T, rounded to nearest even as c10::BFloat16 rounds (activations are never NaN).
+template <typename T>
+inline T narrow(float f);
+template <>
+inline float narrow<float>(float f) { return f; }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
+// Sum of x[i]^2 over i < H, added as inductor's vectorized reduction adds it: into lanes of one
+// vector of T's width (16 or 32 lanes with AVX-512 for fp32 or bf16), whose fp32 halves are then
+// added, and those lanes folded in halves (lane j with j + 8, then + 4, + 2, + 1).
+template <typename T>
+float sum_squares(const T* x, int64_t H) {
+  constexpr int N = sizeof(float) / sizeof(T), L = kVecLanes * N;
+  float acc[L] = {};
+  int64_t i0 = 0;
+  for (; i0 + L <= H; i0 += L)
+    for (int j = 0; j < L; ++j) acc[j] += widen(x[i0 + j]) * widen(x[i0 + j]);
+  for (int j = 0; i0 + j < H; ++j) acc[j] += widen(x[i0 + j]) * widen(x[i0 + j]);
+  for (int part = 1; part < N; ++part)
+    for (int j = 0; j < kVecLanes; ++j) acc[j] += acc[part * kVecLanes + j];
+  for (int half = kVecLanes / 2; half >= 1; half /= 2)
+    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+  return acc[0];
+}
+
+// out[b] = w * round(x[b] / rms(x[b])) over rows of H, as loom.layers.norm.rms_norm.
+template <typename T>
+void rms_norm(const T* x, const T* w, int64_t rows, int64_t H, double eps, T* out) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const T* xr = x + b * H;
+    const float inv = 1.f / std::sqrt(sum_squares(xr, H) / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) out[b * H + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(xr[i]) * inv)));
+  }
+}
+
+// x += y elementwise, rounded to T.
+template <typename T>
+void add_into(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = narrow<T>(widen(x[i]) + widen(y[i]));
+}
+
+// Rotate-half RoPE of `heads` heads of D from src (row stride ld) into dst [rows, heads, D], at
+// each row's position (tables cos/sin [positions, D/2] fp32).
+template <typename T>
+void rotate(const T* src, int64_t ld, int64_t rows, int64_t heads, int64_t D, const int64_t* positions,
+            const float* cos, const float* sin, T* dst) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* c = cos + positions[b] * half;
+    const float* s = sin + positions[b] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* x = src + b * ld + h * D;
+      T* y = dst + (b * heads + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+        y[i] = narrow<T>(x1 * c[i] - x2 * s[i]);
+        y[i + half] = narrow<T>(x2 * c[i] + x1 * s[i]);
+      }
+    }
+  }
+}
+
+// out[b] = round(silu(gate)) * up over gate_up [rows, 2I] (gate then up), as
+// loom.layers.activation.silu_and_mul: silu(x) = x / (1 + e^-x), e^-x as ATen's vector code has
+// it (SLEEF's, within 1 ulp), 16 lanes at a time.
+template <typename T>
+void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
+  float e[16];
+  for (int64_t b = 0; b < rows; ++b) {
+    const T* g = gate_up + b * 2 * I;
+    for (int64_t i0 = 0; i0 < I; i0 += 16) {
+      const int n = I - i0 < 16 ? static_cast<int>(I - i0) : 16;
+      for (int j = 0; j < n; ++j) e[j] = -widen(g[i0 + j]);
+#ifdef __AVX512F__
+      const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+      _mm512_mask_storeu_ps(e, live, Sleef_expf16_u10(_mm512_maskz_loadu_ps(live, e)));
+#else
+      for (int j = 0; j < n; ++j) e[j] = std::exp(e[j]);
+#endif
+      for (int j = 0; j < n; ++j) {
+        const float x = widen(g[i0 + j]);
+        out[b * I + i0 + j] = narrow<T>(widen(narrow<T>(x / (1.f + e[j]))) * widen(g[I + i0 + j]));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// Elements of a step's activations (rows times their width) below which an elementwise layer is
+// not split over threads: a fork and join costs about as much as that many elements' work.
+constexpr int64_t kElementsPerTask = 16384;
+
+namespace {
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::vector<at::Tensor> pools;  // keys, values and, for an int8 pool, key and value scales
+};
+
+}  // namespace
+
+// Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer);
+// run() is a step of decode rows.
+struct DecodeStep : torch::CustomClassHolder {
+  at::Tensor embed, final_norm, cos, sin;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  std::vector<Linear> linears;
+  std::vector<Layer> layers;
+
+  DecodeStep(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : embed(embed.contiguous()), final_norm(final_norm.contiguous()), cos(cos.contiguous()), sin(sin.contiguous()),
+        num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps), scale(scale) {
+    TORCH_CHECK(this->cos.scalar_type() == at::kFloat && this->cos.size(1) * 2 == head_dim,
+                "DecodeStep: rotary tables must be fp32 [positions, head_dim / 2]");
+  }
+
+  void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale, std::optional<at::Tensor> zero,
+                  std::optional<at::Tensor> bias, int64_t group_size, int64_t out_features) {
+    TORCH_CHECK(kind >= Linear::kPanel && kind <= Linear::kInt4, "DecodeStep: unknown linear kind ", kind);
+    linears.push_back(Linear{kind, weight, scale, zero, bias, group_size, out_features});
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> pools) {
+    TORCH_CHECK(linears.size() == 4 * (layers.size() + 1), "DecodeStep: add four linears before each layer");
+    TORCH_CHECK(pools.size() == 2 || pools.size() == 4, "DecodeStep: keys and values, and an int8 pool's scales");
+    layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools)});
+  }
+
+  // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
+  // row's context with its new token). Returns the final hidden states [B, hidden].
+  at::Tensor run(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                 at::Tensor context_lens) {
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&
+                    positions.is_contiguous() && ids.numel() == positions.numel(),
+                "DecodeStep: ids and positions [B] int64");
+    TORCH_CHECK(!layers.empty(), "DecodeStep: no layers added");
+    const int64_t B = ids.numel(), H = embed.size(1), vocab = embed.size(0), max_pos = cos.size(0);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
+      TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
+    }
+    at::Tensor out;
+    AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
+        AT_DISPATCH_CASE(at::kFloat, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); }));
+    return out;
+  }
+
+ private:
+  template <typename T>
+  at::Tensor forward(int64_t B, int64_t H, const int64_t* id, const int64_t* pos, const at::Tensor& slots,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens) {
+    const auto options = embed.options();
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    at::Tensor x = at::empty({B, H}, options), normed = at::empty({B, H}, options);
+    at::Tensor q = at::empty({B, num_heads, head_dim}, options), k = at::empty({B, num_kv_heads, head_dim}, options);
+    T* xp = x.data_ptr<T>();
+    T* np = normed.data_ptr<T>();
+    const T* table = embed.data_ptr<T>();
+    for (int64_t b = 0; b < B; ++b) std::copy(table + id[b] * H, table + (id[b] + 1) * H, xp + b * H);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    // The elementwise layers split their rows over threads once there are enough of them.
+    auto over_rows = [B](int64_t width, const auto& f) {
+      at::parallel_for(0, B, std::max<int64_t>(1, kElementsPerTask / width), f);
+    };
+    auto add_and_norm = [&](const T* y, const at::Tensor& w) {  // x += y; normed = norm(x)
+      over_rows(H, [&](int64_t b0, int64_t b1) {
+        if (y) add_into(xp + b0 * H, y + b0 * H, (b1 - b0) * H);
+        rms_norm(xp + b0 * H, w.data_ptr<T>(), b1 - b0, H, eps, np + b0 * H);
+      });
+    };
+    add_and_norm(nullptr, layers[0].input_norm);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      Layer& layer = layers[l];
+      const Linear* lin = &linears[4 * l];
+      const at::Tensor qkv = lin[0](normed);
+      const T* qkvp = qkv.data_ptr<T>();
+      const int64_t ld = qkv.size(1);
+      over_rows(q_size + kv_size, [&](int64_t b0, int64_t b1) {
+        rotate(qkvp + b0 * ld, ld, b1 - b0, num_heads, head_dim, pos + b0, cp, sp, q.data_ptr<T>() + b0 * q_size);
+        rotate(qkvp + b0 * ld + q_size, ld, b1 - b0, num_kv_heads, head_dim, pos + b0, cp, sp,
+               k.data_ptr<T>() + b0 * kv_size);
+      });
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
+      std::optional<at::Tensor> key_scales, value_scales;
+      if (layer.pools.size() == 4) {  // an int8 pool: rows and their scales
+        auto [kq, ks] = quantize_kv(k);
+        auto [vq, vs] = quantize_kv(v);
+        write_kv(layer.pools[0], layer.pools[1], kq, vq, slots);
+        write_kv(layer.pools[2], layer.pools[3], ks, vs, slots);
+        key_scales = layer.pools[2];
+        value_scales = layer.pools[3];
+      } else {
+        write_kv(layer.pools[0], layer.pools[1], k, v, slots);
+      }
+      at::Tensor attn;
+      {
+        RECORD_FUNCTION("loom::paged_decode_attention", std::vector<c10::IValue>());
+        attn = std::get<0>(paged_decode_attention(q, layer.pools[0], layer.pools[1], block_tables,
+                                                   context_lens, scale, key_scales, value_scales));
+      }
+      add_and_norm(lin[1](attn.view({B, q_size})).data_ptr<T>(), layer.post_norm);
+      const at::Tensor gate_up = lin[2](normed);
+      const int64_t I = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({B, I}, options);
+      over_rows(2 * I, [&](int64_t b0, int64_t b1) {
+        silu_and_mul(gate_up.data_ptr<T>() + b0 * 2 * I, b1 - b0, I, act.data_ptr<T>() + b0 * I);
+      });
+      add_and_norm(lin[3](act).data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
+    }
+    return normed;
+  }
+};
+
+TORCH_LIBRARY_FRAGMENT(loom, m) {
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("add_linear", &DecodeStep::add_linear)
+      .def("add_layer", &DecodeStep::add_layer)
+      .def("run", &DecodeStep::run);
+}

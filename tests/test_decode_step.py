@@ -1,0 +1,127 @@
+"""The C++ decode step (loom/engine/decode_step.py) against the compiled decode graphs, bit for
+bit, and against eager execution by the tokens it decodes; which models and steps it serves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_hf_model
+
+from loom import LLM, SamplingParams
+from loom.engine import model_runner
+from loom.engine.decode_step import DecodeStep
+from loom.kv.attention import DecodeScores
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
+           {"prompt_token_ids": [7] * 3}]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
+
+
+def generate(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), enforce_eager=enforce_eager, max_num_seqs=4, **kwargs)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture
+def both_paths(monkeypatch):
+    """Runs every decode step the C++ step serves through the compiled graph too, the graph's
+    output kept (so the C++ step's KV writes are written again by the graph's); returns the pairs
+    of hidden states."""
+    pairs = []
+    forward = model_runner.ModelRunner._forward
+
+    def run_both(self, ids, positions, meta, decode_only):
+        if decode_only and self.decode_step is not None and self.decode_step.serves(meta):
+            ours = self.decode_step(ids, positions, meta).clone()
+            graphs = self.decode_graphs(ids, positions, meta)
+            pairs.append((ours, graphs))
+            return graphs
+        return forward(self, ids, positions, meta, decode_only)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward", run_both)
+    return pairs
+
+
+FORMATS = [dict(dtype="float32"), dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="int8"),
+           dict(dtype="bfloat16", quantization="int4"), dict(dtype="bfloat16", quantization="int4", symmetric=True),
+           dict(dtype="bfloat16", kv_cache_dtype="int8")]
+FORMAT_IDS = ["fp32", "bf16", "bf16-int8", "bf16-int4", "bf16-int4-symmetric", "bf16-kv-int8"]
+
+
+@pytest.mark.parametrize("kwargs", FORMATS, ids=FORMAT_IDS)
+def test_decode_step_equals_the_compiled_graph_bit_for_bit(hf_models, both_paths, kwargs):
+    model_dir, _ = hf_models("llama_gqa")
+    generate(model_dir, False, **kwargs)
+    assert len(both_paths) > 20  # every decode step of the three prompts, batches 3, 2 and 1
+    for ours, graphs in both_paths:
+        assert ours.dtype == graphs.dtype and torch.equal(ours, graphs)
+
+
+@pytest.mark.parametrize("name", ["llama_mha", "llama_mqa", "qwen2_bias", "llama3_scaled", "llama_tied"])
+def test_decode_step_serves_the_llama_family(hf_models, both_paths, name):
+    """MHA, MQA, a QKV bias, llama3 rotary scaling and tied embeddings, in bf16."""
+    model_dir, _ = hf_models(name)
+    generate(model_dir, False, dtype="bfloat16")
+    assert both_paths and all(torch.equal(ours, graphs) for ours, graphs in both_paths)
+
+
+def test_decode_step_sums_a_norm_with_a_partial_vector_as_the_graph_does(tmp_path, both_paths):
+    """A hidden size of 80: two full vectors of 32 bf16 lanes and 16 lanes more."""
+    build_hf_model(tmp_path, "llama_gqa", hidden_size=80)
+    generate(tmp_path, False, dtype="bfloat16")
+    assert both_paths and all(torch.equal(ours, graphs) for ours, graphs in both_paths)
+
+
+@pytest.mark.parametrize("kwargs", FORMATS[:4], ids=FORMAT_IDS[:4])
+def test_decode_step_decodes_as_eager(hf_models, monkeypatch, kwargs):
+    model_dir, _ = hf_models("llama_gqa")
+    eager, _ = generate(model_dir, True, **kwargs)
+    calls = []
+    run = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    ours, llm = generate(model_dir, False, **kwargs)
+    assert ours == eager
+    assert len(calls) > 20  # it ran the decode steps
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_decode_step_leaves_scored_steps_to_the_graphs(gqa):
+    llm = LLM(str(gqa[0]), enforce_eager=False, max_num_seqs=4)
+    step, meta = llm.engine.runner.decode_step, _decode_meta(1)
+    assert step.serves(meta)
+    meta.decode_scores = DecodeScores(temps=torch.ones(1), row_keys=torch.zeros(1, dtype=torch.long),
+                                      rows=torch.zeros(1, 5, dtype=torch.long), newest=torch.full((1,), -1),
+                                      states=[None])
+    assert not step.serves(meta)
+    assert not step.serves(_decode_meta(step.max_batch + 1))
+
+
+def test_decode_step_serves_batches_up_to_the_first_kernel_switch(gqa, monkeypatch):
+    """A plan that hands batches above 4 to a dequantizing GEMM: the C++ step serves up to 4."""
+    from loom.quant import linear as quant_linear
+    monkeypatch.setattr(quant_linear, "load_plan", lambda method: ((4, "weight_only"), (5, "dequantized")))
+    llm = LLM(str(gqa[0]), enforce_eager=False, dtype="bfloat16", quantization="int8", max_num_seqs=8)
+    assert llm.engine.runner.decode_step.max_batch == 4
+
+
+def test_models_outside_the_llama_family_run_through_the_graphs(tmp_path):
+    from loom.models.gpt_neox import GPTNeoXForCausalLM
+    from loom.engine.decode_step import _unserved
+
+    assert "not a Llama-family model" in _unserved(GPTNeoXForCausalLM.__new__(GPTNeoXForCausalLM))
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused(gqa):
+    llm = LLM(str(gqa[0]), enforce_eager=False, max_num_seqs=4)
+    step = llm.engine.runner.decode_step
+    meta = _decode_meta(1)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        step(torch.tensor([10_000]), torch.tensor([0]), meta)
+
+
+def _decode_meta(batch: int):
+    from loom.kv.attention import AttentionMetadata
+
+    return AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), num_decode_tokens=batch,
+                             decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32),
+                             decode_context_lens=torch.ones(batch, dtype=torch.int32))
