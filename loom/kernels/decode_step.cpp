@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -48,8 +48,11 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
               const at::Tensor& slots_in);
 std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in);
 
-#ifdef __AVX512F__
-extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu
+// SLEEF's exponentials, exported by libtorch_cpu.
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#elif defined(__AVX2__)
+extern "C" __m256 Sleef_expf8_u10(__m256);
 #endif
 
 namespace {
@@ -167,9 +170,25 @@ void rotate(const T* src, int64_t ld, int64_t rows, int64_t heads, int64_t D, co
   }
 }
 
+// e[0:n] = e^e[0:n], n <= 16, as ATen's vector code computes it: SLEEF's (within 1 ulp) a vector
+// at a time where this build has one.
+inline void exp_in_place(float* e, int n) {
+#if defined(__AVX512F__)
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  _mm512_mask_storeu_ps(e, live, Sleef_expf16_u10(_mm512_maskz_loadu_ps(live, e)));
+#elif defined(__AVX2__)
+  float lanes[16] = {};
+  for (int j = 0; j < n; ++j) lanes[j] = e[j];
+  _mm256_storeu_ps(lanes, Sleef_expf8_u10(_mm256_loadu_ps(lanes)));
+  _mm256_storeu_ps(lanes + 8, Sleef_expf8_u10(_mm256_loadu_ps(lanes + 8)));
+  for (int j = 0; j < n; ++j) e[j] = lanes[j];
+#else
+  for (int j = 0; j < n; ++j) e[j] = std::exp(e[j]);
+#endif
+}
+
 // out[b] = round(silu(gate)) * up over gate_up [rows, 2I] (gate then up), as
-// loom.layers.activation.silu_and_mul: silu(x) = x / (1 + e^-x), e^-x as ATen's vector code has
-// it (SLEEF's, within 1 ulp), 16 lanes at a time.
+// loom.layers.activation.silu_and_mul: silu(x) = x / (1 + e^-x), 16 inputs at a time.
 template <typename T>
 void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
   float e[16];
@@ -178,12 +197,7 @@ void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
     for (int64_t i0 = 0; i0 < I; i0 += 16) {
       const int n = I - i0 < 16 ? static_cast<int>(I - i0) : 16;
       for (int j = 0; j < n; ++j) e[j] = -widen(g[i0 + j]);
-#ifdef __AVX512F__
-      const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-      _mm512_mask_storeu_ps(e, live, Sleef_expf16_u10(_mm512_maskz_loadu_ps(live, e)));
-#else
-      for (int j = 0; j < n; ++j) e[j] = std::exp(e[j]);
-#endif
+      exp_in_place(e, n);
       for (int j = 0; j < n; ++j) {
         const float x = widen(g[i0 + j]);
         out[b * I + i0 + j] = narrow<T>(widen(narrow<T>(x / (1.f + e[j]))) * widen(g[I + i0 + j]));
