@@ -104,11 +104,11 @@ def test_decode_step_serves_batches_up_to_the_first_kernel_switch(gqa, monkeypat
     assert llm.engine.runner.decode_step.max_batch == 4
 
 
-def test_models_outside_the_llama_family_run_through_the_graphs(tmp_path):
-    from loom.models.gpt_neox import GPTNeoXForCausalLM
-    from loom.engine.decode_step import _unserved
-
-    assert "not a Llama-family model" in _unserved(GPTNeoXForCausalLM.__new__(GPTNeoXForCausalLM))
+def test_models_outside_the_llama_family_run_through_the_graphs(hf_models):
+    model_dir, _ = hf_models("gpt_neox_parallel")
+    llm = LLM(str(model_dir), enforce_eager=False, max_num_seqs=4)
+    assert llm.engine.runner.decode_step is None and llm.engine.runner.decode_graphs is not None
+    assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused(gqa):

@@ -28,7 +28,7 @@ from loom.quant.linear import WeightOnlyLinear
 logger = logging.getLogger(__name__)
 
 _OWN_KERNELS = frozenset({"panel", "weight_only"})
-_KINDS = {"int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind; dense panels are 0
+_KINDS = {"panel": 0, "int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind
 
 
 def _own_until(plan: Plan) -> float:
@@ -77,7 +77,7 @@ class DecodeStep:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 bias = None if linear.bias is None else linear.bias.to(dtype)
                 if isinstance(linear, DenseLinear):
-                    self.step.add_linear(0, linear.weight, None, None, bias, 0, linear.out_features)
+                    self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features)
                 else:
                     self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
                                          linear.group_size, linear.out_features)
