@@ -77,6 +77,12 @@ struct Linear {
   }
 };
 
+// A decoder layer's norms and its KV pools (its linears are DecodeStep's, four a layer).
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::vector<at::Tensor> pools;  // keys, values and, for an int8 pool, key and value scales
+};
+
 }  // namespace
 
 // The elementwise layers, in IEEE arithmetic (the library is built with -ffast-math): no fused
@@ -213,15 +219,6 @@ void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
 // Elements of a step's activations (rows times their width) below which an elementwise layer is
 // not split over threads: a fork and join costs about as much as that many elements' work.
 constexpr int64_t kElementsPerTask = 16384;
-
-namespace {
-
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  std::vector<at::Tensor> pools;  // keys, values and, for an int8 pool, key and value scales
-};
-
-}  // namespace
 
 // Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer);
 // run() is a step of decode rows.
