@@ -27,7 +27,7 @@ def test_breakdown_names_real_operators():
 
 
 class _CalledOperators(TorchDispatchMode):
-    """Records the name of every operator called under it (no clock involved)."""
+    """Records the name of every operator called under it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,7 +93,7 @@ def test_int4_weight_bytes_are_what_the_layers_hold(gqa, symmetric):
 
 def test_decode_run_decodes_afresh_after_one_prompt_step(gqa):
     """Each run starts afresh: its prompts in one step, then max_tokens - 1 decode steps to the end
-    (what a timed run counts; no clock here)."""
+    (the steps a run's rate counts)."""
     run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
     for _ in range(2):
         run.prefill()
@@ -103,7 +103,7 @@ def test_decode_run_decodes_afresh_after_one_prompt_step(gqa):
 
 
 def test_interleaved_runs_take_turns_in_alternating_order():
-    """One untimed call each, then turns whose order reverses every time; a settle before every call."""
+    """One warm-up call each, then turns whose order reverses every time; a settle before every call."""
     calls: list[str] = []
     settled: list[int] = []
 

@@ -205,13 +205,24 @@ def test_parallel_samples_and_beams_stay_within_the_bound(gqa, policy):
     assert all(len(o.outputs) == 3 and all(len(b.token_ids) == 20 for b in o.outputs) for o in beams)
 
 
-def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys):
+def test_kv_speed_bench_reports_memory_and_capacity(gqa, tmp_path, capsys, monkeypatch):
     """The bench's own bookkeeping on a tiny model: every case decodes in each round, compressed
-    sequences hold less KV, and the same memory runs more of them at once (on a fake clock: its
-    timings are not under test)."""
+    sequences hold less KV, and the same memory runs more of them at once. Its decodes run here in
+    this process (not in one of their own), each step given a duration instead of timed."""
     import json
 
+    from loom.bench import kv_speed
     from loom.cli import main
+
+    def decodes_here(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return kv_speed._run_decodes(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    monkeypatch.setattr(kv_speed, "run_decodes", decodes_here)
+    monkeypatch.setattr(kv_speed, "_seconds", lambda fn: [fn(), 1e-3][1])
 
     model_dir, _ = gqa
     main(["bench", "kv-speed", "--model", str(model_dir), "--dtype", "float32", "--batch", "2", "--prompt-len", "64",

@@ -101,7 +101,7 @@ def test_llamacpp_decode_run_stays_loaded_between_runs(tiny_llama, tmp_path):
     gguf_path = export_gguf(model_dir, tmp_path / "tiny-f32.gguf", "f32")
     with LlamaCppDecodeRun(gguf_path, prompt, max_tokens=8, threads=2) as run:
         for _ in range(2):
-            run.time_decode()
+            run.decode()
             assert run.generated_ids == hf_greedy(model, prompt, 8)
     with pytest.raises(RuntimeError, match="llama.cpp peer ended"):
         LlamaCppDecodeRun(tmp_path / "missing.gguf", prompt, max_tokens=8, threads=2)

@@ -2,6 +2,7 @@
 own FLOP counter on the Hugging Face model; and the GEMM roof it divides by."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loom.bench.mfu import gemm_roof, request_flops, workload_flops
@@ -35,14 +36,22 @@ def test_request_flops_counts_every_token(hf_models):
     assert matmuls == ours_linear + (prompt - 1) * 2 * c.hidden_size * c.vocab_size
 
 
-def test_gemm_roof_is_the_faster_kernel(hf_models):
-    """Every kernel a linear layer can dispatch to is run, and the roof is the fastest (on a fake
-    clock: the bookkeeping, not the rates, is under test)."""
+def test_gemm_roof_is_the_faster_kernel(hf_models, monkeypatch):
+    """Every kernel a linear layer can dispatch to runs, each is given a time here (nothing is
+    timed), its rate is the layer's FLOPs over that time, and the roof is the fastest."""
+    from loom.bench import mfu
+
     model_dir, _ = hf_models("llama_gqa")
-    rates = gemm_roof(ModelConfig.from_dir(model_dir), torch.float32, tokens=32, repeats=2)
-    kernels = {k: v for k, v in rates.items() if k != "roof"}
-    assert set(kernels) == set(candidates("fp32", panels_available())) and all(v > 0 for v in kernels.values())
-    assert rates["roof"] == max(kernels.values())
+    c = ModelConfig.from_dir(model_dir)
+    given_s = iter([4e-3, 1e-3, 2e-3, 3e-3])
+    runs = []
+    monkeypatch.setattr(mfu, "best_time", lambda fn, repeats: runs.append(fn()) or next(given_s))
+    rates = gemm_roof(c, torch.float32, tokens=32, repeats=2)
+    kernels = candidates("fp32", panels_available())
+    flops = 2 * 32 * sum(i * o for i, o in mfu.layer_shapes(c))
+    assert list(rates) == [*kernels, "roof"] and len(runs) == len(kernels)
+    assert [rates[k] for k in kernels] == pytest.approx([flops / t for t in (4e-3, 1e-3, 2e-3, 3e-3)[:len(kernels)]])
+    assert rates["roof"] == max(rates[k] for k in kernels)
 
 
 def test_offline_lower_bound_adds_gemms_and_kv_reads(hf_models):

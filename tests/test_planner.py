@@ -215,13 +215,17 @@ def test_calibrated_components_price_the_step(tmp_path) -> None:
 
 def test_calibration_describes_the_machine_for_the_planner(tmp_path, monkeypatch) -> None:
     """`loom calibrate`'s measurements make a hardware description the planner predicts Loom's
-    steps with. How close the prediction comes is a timing, so `loom bench planner` measures it;
-    here, on a fake clock, every figure must exist, be positive and finite, and survive the JSON
-    round trip."""
+    steps with. How close the prediction comes is a timing, so `loom bench planner` measures it.
+    Here every measured function runs once and is given a figure instead (nothing is timed):
+    every figure must exist, be positive and finite, and survive the JSON round trip."""
+    from loom.bench import calibrate
     from loom.bench.calibrate import measure
+    from loom.bench.latency import LoomDecodeRun
     from loom.models.reference import reference_model_dir
 
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))  # the tiny calibration models, and no crossover file
+    monkeypatch.setattr(calibrate, "best_time", lambda fn, repeats: [fn(), 1e-3][1])
+    monkeypatch.setattr(LoomDecodeRun, "time_decode", lambda run: [run.prefill(), run.decode_steps()][1] * 100.0)
     hw = measure(collectives=False, dtypes=("bf16",), tokens=(1, 8))
     figures = [hw.memory_bandwidth, *hw.peak_flops.values(), *hw.linear_bandwidth["bf16"], *hw.kv_bandwidth.values()]
     assert len(hw.linear_bandwidth["bf16"]) == 2 and set(hw.step_overhead) == set(STEP_OVERHEAD_TERMS)

@@ -684,7 +684,7 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
 def test_bench_serve_launches_loom_itself(tmp_path):
     """`--launch loom offline --rounds 2`: the server it starts and the same engine in-process take
     turns on the same text prompts, new prompts each round; every request served in both, the
-    server timed to its first answer, the ratios the medians of the rounds'."""
+    server's start-up and first answer recorded, the ratios the medians of the rounds'."""
     import statistics
 
     from loom.cli import main

@@ -9,6 +9,7 @@ import gc
 import multiprocessing
 import random
 import statistics
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -30,6 +31,13 @@ CASES = [("full", None)] + [(policy, budget) for policy in ("window", "streaming
 
 def long_context_model() -> Path:
     return reference_model_dir(REFERENCE_134M | {"max_position_embeddings": 4096}, name="ref-134m-4k")
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    """How long one call of `fn` takes."""
+    start = clock.now()
+    fn()
+    return clock.now() - start
 
 
 def _prompts(count: int, length: int, vocab_size: int, seed: int) -> list[dict]:
@@ -89,9 +97,7 @@ class DecodeRun:
     def step(self) -> None:
         before = self._stats
         self.slots_read += before.kv_slots_used + before.num_running  # the tokens stored, and each new one
-        start = clock.now()
-        self.llm.engine.step()
-        self.elapsed += clock.now() - start  # the engine's step alone, not the memory counts
+        self.elapsed += _seconds(self.llm.engine.step)  # the engine's step alone, not the memory counts
         self.steps += 1
         after = self._stats = self.llm.stats()
         if after.num_running:
