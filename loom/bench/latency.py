@@ -71,6 +71,8 @@ class LoomDecodeRun:
         # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
         # after four earlier engines in the same process).
         gc.collect()
+        self.dtype, self.quantization, self.batch = dtype, quantization, batch
+        self.kv_cache_dtype, self.symmetric = kv_cache_dtype, symmetric
         llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric)
         vocab_size = llm.engine.config.model_config.vocab_size
         self.prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
@@ -111,14 +113,13 @@ class LoomDecodeRun:
         return step_ms
 
 
-def loom_result(run: LoomDecodeRun, dtype: str, quantization: str | None, batch: int, rates: list[float],
-                kv_cache_dtype: str = "auto", symmetric: bool = False, breakdown: bool = True) -> dict:
+def loom_result(run: LoomDecodeRun, rates: list[float], breakdown: bool = True) -> dict:
     """Loom's row of latency.json from the decode rates of `run`'s timed runs (medians), with
     `run.breakdown` unless told not to."""
     steps_per_s = statistics.median(rates)
-    result = {"engine": "loom", "dtype": dtype, "quantization": quantization, "symmetric": symmetric,
-              "kv_cache_dtype": kv_cache_dtype, "batch": batch, "steps_per_s": steps_per_s,
-              "tok_per_s": steps_per_s * batch, "all_steps_per_s": rates}
+    result = {"engine": "loom", "dtype": run.dtype, "quantization": run.quantization, "symmetric": run.symmetric,
+              "kv_cache_dtype": run.kv_cache_dtype, "batch": run.batch, "steps_per_s": steps_per_s,
+              "tok_per_s": steps_per_s * run.batch, "all_steps_per_s": rates}
     if breakdown:
         result["step_ms"] = run.breakdown(steps_per_s)
     return result
@@ -130,7 +131,7 @@ def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, 
     for where a step's time goes (`step_ms`)."""
     run = LoomDecodeRun(model_dir, dtype, quantization, batch, prompt_len, max_tokens, kv_cache_dtype, symmetric)
     rates = [run.time_decode() for _ in range(repeats)]
-    return loom_result(run, dtype, quantization, batch, rates, kv_cache_dtype, symmetric, breakdown)
+    return loom_result(run, rates, breakdown)
 
 
 def interleaved(runs: list[Callable[[], float]], repeats: int, settle: Callable[[], None]) -> list[list[float]]:

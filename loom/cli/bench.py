@@ -952,7 +952,7 @@ def _latency_pair(args: argparse.Namespace, model: Path, cfg, dtype: str, quant:
                                     kv_cache_q8_0=args.kv_cache_dtype == "int8") as peer:
         reads, mine, theirs = latency.interleaved([read_probe(), run.time_decode, peer.time_decode], args.repeats,
                                                   lambda: time.sleep(_SETTLE_S))
-    row = latency.loom_result(run, dtype, quant, 1, mine, args.kv_cache_dtype, symmetric)
+    row = latency.loom_result(run, mine)
     row["read_GBps_turns"] = [r / 1e9 for r in reads]
     row["mbu_turns"] = [latency.mbu(cfg, dtype, quant, 1, args.prompt_len + args.max_tokens // 2, rate, read,
                                     args.kv_cache_dtype, symmetric) for rate, read in zip(mine, reads)]

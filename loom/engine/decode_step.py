@@ -20,14 +20,13 @@ import torch
 from loom.kernels import load_kernels
 from loom.kv.attention import AttentionMetadata, PagedAttention
 from loom.kv.cache import KVCache
-from loom.layers.dispatch import Plan
+from loom.layers.dispatch import OWN_KERNELS, Plan
 from loom.layers.linear import DenseLinear
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
 
 logger = logging.getLogger(__name__)
 
-_OWN_KERNELS = frozenset({"panel", "weight_only"})
 _KINDS = {"panel": 0, "int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind
 
 
@@ -35,7 +34,7 @@ def _own_until(plan: Plan) -> float:
     """The largest token count up to which `plan` runs Loom's own kernel at every count."""
     until = 0
     for bound, kernel in plan:
-        if kernel not in _OWN_KERNELS:
+        if kernel not in OWN_KERNELS:
             return until
         until = bound
     return float("inf")  # the last entry covers every larger count

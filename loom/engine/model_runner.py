@@ -24,7 +24,7 @@ from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, P
 from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
-from loom.layers.dispatch import plan_switches, planned_kernels
+from loom.layers.dispatch import OWN_KERNELS, plan_switches, planned_kernels
 from loom.layers.fused import enable_fusion
 from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
@@ -100,7 +100,7 @@ class ModelRunner:
         if not config.enforce_eager and config.attention_backend == "cpp":
             cpp_wrapper = self.parallel.world_size == 1 or self.parallel.shm_group is not None
             self.max_decode_batch = config.scheduler.max_num_seqs
-            torch_gemms = planned_kernels(self.model, self.max_decode_batch) - {"panel", "weight_only"}
+            torch_gemms = planned_kernels(self.model, self.max_decode_batch) - OWN_KERNELS
             options = {"emulate_precision_casts": True, "size_asserts": False, "cpp_wrapper": cpp_wrapper,
                        "pattern_matcher": not torch_gemms}
             # Parallel options take effect from two ranks on: one process builds the same model

@@ -33,6 +33,7 @@ FORMATS = ("fp32", "bf16", "int8", "int4")
 # What each format can run, Loom's own kernel first (it needs AVX-512 BF16 or AVX2). A kernel named
 # *_fp32 runs its GEMM in fp32 whatever the activations' dtype.
 _OWN = {"fp32": "panel", "bf16": "panel", "int8": "weight_only", "int4": "weight_only"}
+OWN_KERNELS = frozenset(_OWN.values())  # Loom's own kernels; every other candidate is a torch GEMM
 _GEMMS = {"fp32": ("gemm",), "bf16": ("gemm", "gemm_fp32"), "int8": ("dequantized", "dequantized_fp32"),
           "int4": ("dequantized", "dequantized_fp32")}
 # The activations each format is calibrated with: the dtype its models run in.
