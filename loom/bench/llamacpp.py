@@ -220,6 +220,7 @@ class LlamaCppDecodeRun:
         return reply["decode_s"]
 
     def time_decode(self) -> float:
+        """One run's decode steps per second."""
         return self.decode_steps / self.decode()
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 
 At batch 1 an int4 step's weights stream in about a millisecond, and a compiled graph's own work
 (its inputs' handles, its custom-op calls, its buffers, its Python wrappers) took 0.13-0.3 ms more
-(docs/benchmarks, "Decode steps as one C++ call"). `DecodeStep` holds the model's weights and the KV pools from load on and runs the
-whole step, embedding to final norm, in Loom's C++: one call a step, with the step's five tensors.
+(docs/benchmarks, "Decode steps as one C++ call"). `DecodeStep` holds the model's weights and the
+KV pools from load on and runs the whole step, embedding to final norm, in Loom's C++: one call a
+step, with the step's five tensors.
 
 It serves the steps it can compute exactly as the model does: a `LlamaForCausalLM` (Llama,
 Mistral, Qwen2; MHA, GQA, MQA) in one process, every linear layer on Loom's own kernels at the
