@@ -43,18 +43,17 @@ CALIBRATION_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torc
 REFERENCE_SHAPES = ((2304, 768), (768, 768), (4096, 768), (768, 2048))
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-# Until `loom calibrate --linears` has measured the machine. AVX-512 BF16: the panel kernels
-# kept pace with oneDNN's GEMM up to prefill sizes, and the weight-only kernels beat
-# dequantize-then-GEMM up to ~256 tokens on the reference model's layers. AMX: oneDNN's bf16 GEMM
-# was 3x the panel kernel at 32 tokens on a 4096 x 4096 layer. AVX2 (AMD Zen 3, measured): the
-# panel kernels (bf16 widening in registers) lead torch's fp32 GEMM at every count up to 512
-# (1.2x and 1.75x there), and the integer kernels every dequantizing GEMM up to 512. Without either
-# build: torch's bf16 GEMM costs each row as one more matrix-vector product, behind a widening
-# fp32 GEMM from 16 tokens.
+# Until `loom calibrate --linears` has measured the machine. AVX-512 BF16 without AMX (AMD Zen 4,
+# on the reference model's layers): Loom's kernels lead every torch GEMM at every count up to 512
+# in every format; at 512 tokens the int8 kernel takes half the time of dequantize-then-GEMM and
+# the panel kernel 0.74x of oneDNN's bf16 GEMM. AMX: oneDNN's bf16 GEMM was 3x the panel kernel at
+# 32 tokens on a 4096 x 4096 layer. AVX2 (AMD Zen 3): the panel kernels (bf16 widening in
+# registers) lead torch's fp32 GEMM at every count up to 512 (1.2x and 1.75x there), and the
+# integer kernels every dequantizing GEMM up to 512. Without either build: torch's bf16 GEMM costs
+# each row as one more matrix-vector product, behind a widening fp32 GEMM from 16 tokens.
 DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
-    "avx512_bf16": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),),
-                    "int8": ((256, "weight_only"), (257, "dequantized")),
-                    "int4": ((256, "weight_only"), (257, "dequantized"))},
+    "avx512_bf16": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
+                    "int4": ((1, "weight_only"),)},
     "amx": {"fp32": ((1, "panel"),), "bf16": ((16, "panel"), (17, "gemm")),
             "int8": ((16, "weight_only"), (17, "dequantized")), "int4": ((16, "weight_only"), (17, "dequantized"))},
     "avx2": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
