@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import random_prompts
 from loom import LLM, SamplingParams
 from loom.bench.latency import (ATTENTION_OPS, LINEAR_OPS, LoomDecodeRun, interleaved, kv_bytes, latency_engine,
-                                split_step_time, weight_bytes)
+                                operator_seconds, step_split, weight_bytes)
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.models.config import ModelConfig
@@ -52,13 +52,33 @@ def test_breakdown_classifies_the_operators_a_decode_step_calls(gqa, quantizatio
 
 
 def test_step_time_splits_by_operator():
-    """Each operator's own time lands in its kind; the step's time less both kinds is "other"."""
+    """Each operator's own time lands in its kind (others in neither); a step's time less both
+    kinds is "other"."""
     self_us = {"loom::int8_linear": 3000.0, "aten::mm": 1000.0, "loom::paged_decode_attention": 600.0,
                "aten::add": 50.0}
-    ms = split_step_time(self_us, steps=2, elapsed_s=0.006)
-    assert ms == pytest.approx({"profiled_step": 3.0, "linear": 2.0, "attention": 0.3, "other": 0.7})
-    with pytest.raises(ValueError, match="no decode steps"):
-        split_step_time(self_us, steps=0, elapsed_s=0.0)
+    assert operator_seconds(self_us) == pytest.approx((0.004, 0.0006))
+    ms = step_split(steps=2, elapsed_s=0.006, linear_s=0.004, attention_s=0.0006)
+    assert ms == pytest.approx({"step": 3.0, "linear": 2.0, "attention": 0.3, "other": 0.7})
+    with pytest.raises(ValueError, match="no steps"):
+        step_split(steps=0, elapsed_s=0.0, linear_s=0.0, attention_s=0.0)
+
+
+def test_decode_run_splits_its_own_steps_when_the_cpp_step_serves_them(gqa, monkeypatch):
+    """Where the C++ decode step runs every timed step, each run's split comes from those steps;
+    between runs the C++ step's timing is off and the LM head's removed. Without the C++ step a
+    run has no split of its own."""
+    monkeypatch.setenv("LOOM_ENFORCE_EAGER", "0")  # the C++ step comes with the compiled decode graphs
+    run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
+    decode_step, head = run.engine.runner.decode_step, run.engine.runner.model.lm_head
+    assert decode_step is not None and decode_step.max_batch >= 2
+    rate = run.time_decode()
+    split, = run.splits
+    assert set(split) == {"step", "linear", "attention", "other"} and split["step"] == pytest.approx(1e3 / rate)
+    assert decode_step.kernel_seconds() == (0.0, 0.0, 0)  # off, and reset
+    assert not head._forward_pre_hooks and not head._forward_hooks  # the LM head's timing removed
+    run.engine.runner.decode_step = None  # compiled graphs only: no split of its own
+    run.time_decode()
+    assert run.splits[1] is None
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
@@ -128,10 +148,10 @@ def test_latency_report_keeps_every_turn(gqa, tmp_path, monkeypatch):
     from loom.models import reference
 
     def round_rows(loom_rate: float, peer_rate: float, mbus: list[float], paired: list[float]) -> list[dict]:
-        step_ms = {"profiled_step": 2.0, "linear": 1.0, "attention": 0.5, "other": 0.5, "step": 2.0,
-                   "other_unprofiled": 0.5}
+        step_ms = {"step": 2.0, "linear": 1.0, "attention": 0.5, "other": 0.5}
         return [{"engine": "loom", "dtype": "bfloat16", "quantization": None, "batch": 1, "tok_per_s": loom_rate,
-                 "steps_per_s": loom_rate, "all_steps_per_s": [loom_rate], "step_ms": step_ms, "mbu_turns": mbus,
+                 "steps_per_s": loom_rate, "all_steps_per_s": [loom_rate], "step_ms": step_ms, "step_split": "timed",
+                 "mbu_turns": mbus,
                  "read_GBps_turns": [50.0] * len(mbus)},
                 {"engine": "llama.cpp", "dtype": "bf16", "batch": 1, "tok_per_s": peer_rate, "steps_per_s": peer_rate,
                  "all_steps_per_s": [peer_rate], "paired_ratios": paired}]

@@ -63,7 +63,12 @@ def latency_engine(model_dir: Path, dtype: str, quantization: str | None, batch:
 class LoomDecodeRun:
     """An engine with `batch` requests of `prompt_len` tokens to decode `max_tokens` each, timed a
     run at a time: `time_decode()` adds the requests, computes their prompts (one step), then times
-    the decode steps to the end and returns steps/s."""
+    the decode steps to the end and returns steps/s.
+
+    Where the C++ decode step ran every timed step, the run's split of a step's time comes from
+    those same steps (`splits`): the C++ step adds up its linear layers' and attention's time, and
+    the LM head is timed around its calls. Elsewhere (compiled decode graphs) `breakdown` profiles
+    one more run."""
 
     def __init__(self, model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
                  max_tokens: int, kv_cache_dtype: str = "auto", symmetric: bool = False) -> None:
@@ -79,6 +84,7 @@ class LoomDecodeRun:
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(self.prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         self.engine = llm.engine
+        self.splits: list[dict[str, float] | None] = []  # each timed run's, or None where it has none
 
     def prefill(self) -> None:
         """The requests in and their prompts computed: every later step decodes."""
@@ -97,20 +103,34 @@ class LoomDecodeRun:
 
     def time_decode(self) -> float:
         self.prefill()
-        start = clock.now()
-        steps = self.decode_steps()
-        return steps / (clock.now() - start)
+        runner = self.engine.runner
+        decode_step, head = runner.decode_step, runner.model.lm_head
+        head_starts, head_ends = [], []
+        hooks = [head.register_forward_pre_hook(lambda *_: head_starts.append(clock.now())),
+                 head.register_forward_hook(lambda *_: head_ends.append(clock.now()))]
+        if decode_step is not None:
+            decode_step.time_kernels(True)
+        try:
+            start = clock.now()
+            steps = self.decode_steps()
+            elapsed = clock.now() - start
+            linear_s, attention_s, served = decode_step.kernel_seconds() if decode_step is not None else (0, 0, 0)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if decode_step is not None:
+                decode_step.time_kernels(False)
+        head_s = sum(end - begin for begin, end in zip(head_starts, head_ends))
+        self.splits.append(step_split(steps, elapsed, linear_s + head_s, attention_s) if served == steps > 0 else None)
+        return steps / elapsed
 
     def breakdown(self, steps_per_s: float) -> dict[str, float]:
-        """Where a step's time goes, from one more run under the profiler (`decode_breakdown`),
-        and the step's time outside the linear layers and attention at `steps_per_s`."""
+        """Where a step's time goes, the linear layers' and attention's share from one more run
+        under the profiler (`decode_breakdown`), the step's from `steps_per_s`. (The profiler's own
+        cost would land outside the operators; the two runs apart carry their spread instead.)"""
         self.prefill()
-        step_ms = decode_breakdown(self.engine)
-        # The profiler's own cost lands outside the operators, in "other": the timed steps less the
-        # operators' profiled times give it without (two runs apart, so it carries their spread).
-        step_ms["step"] = 1e3 / steps_per_s
-        step_ms["other_unprofiled"] = step_ms["step"] - step_ms["linear"] - step_ms["attention"]
-        return step_ms
+        steps, linear_s, attention_s = decode_breakdown(self.engine)
+        return step_split(steps, steps / steps_per_s, linear_s, attention_s)
 
 
 def loom_result(run: LoomDecodeRun, rates: list[float], breakdown: bool = True) -> dict:
@@ -121,7 +141,13 @@ def loom_result(run: LoomDecodeRun, rates: list[float], breakdown: bool = True) 
               "kv_cache_dtype": run.kv_cache_dtype, "batch": run.batch, "steps_per_s": steps_per_s,
               "tok_per_s": steps_per_s * run.batch, "all_steps_per_s": rates}
     if breakdown:
-        result["step_ms"] = run.breakdown(steps_per_s)
+        splits = run.splits[-len(rates):]  # the rates' own runs (an untimed first call may precede them)
+        if len(splits) == len(rates) and None not in splits:
+            result["step_ms"] = {k: statistics.median(split[k] for split in splits) for k in splits[0]}
+            result["step_split"] = "timed"
+        else:
+            result["step_ms"] = run.breakdown(steps_per_s)
+            result["step_split"] = "profiled"
     return result
 
 
@@ -162,33 +188,35 @@ ATTENTION_OPS = frozenset({"loom::paged_decode_attention", "loom::paged_decode_a
                            "loom::paged_prefill_attention", "aten::scaled_dot_product_attention"})
 
 
-def decode_breakdown(engine) -> dict[str, float]:
-    """Runs `engine`'s requests (their prefill done) to the end under torch's profiler: ms per
-    step in all (as profiled: the profiler adds its own cost, which lands in "other"), in the
-    linear layers' and in attention's operators (their own time, children excluded), and the
-    rest ("other")."""
+def decode_breakdown(engine) -> tuple[int, float, float]:
+    """Runs `engine`'s requests (their prefill done) to the end under torch's profiler: the steps,
+    and the seconds in the linear layers' and in attention's operators (their own time, children
+    excluded)."""
     from torch.profiler import ProfilerActivity, profile
 
     steps = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = clock.now()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        elapsed = clock.now() - start
-    return split_step_time({e.key: e.self_cpu_time_total for e in prof.key_averages()}, steps, elapsed)
-
-
-def split_step_time(self_us: dict[str, float], steps: int, elapsed_s: float) -> dict[str, float]:
-    """ms per step of `steps` steps that took `elapsed_s` in all, given each operator's own time
-    over them (us, children excluded): in all ("profiled_step"), in the linear layers' operators,
-    in attention's, and the rest ("other")."""
     if steps == 0:
         raise ValueError("decode_breakdown: the engine had no decode steps to run")
-    linear = sum(t for op, t in self_us.items() if op in LINEAR_OPS) / steps / 1e3
-    attention = sum(t for op, t in self_us.items() if op in ATTENTION_OPS) / steps / 1e3
-    total = elapsed_s / steps * 1e3
-    return {"profiled_step": total, "linear": linear, "attention": attention, "other": total - linear - attention}
+    return steps, *operator_seconds({e.key: e.self_cpu_time_total for e in prof.key_averages()})
+
+
+def operator_seconds(self_us: dict[str, float]) -> tuple[float, float]:
+    """Seconds in the linear layers' and in attention's operators, given each operator's own time (us)."""
+    return (sum(t for op, t in self_us.items() if op in LINEAR_OPS) / 1e6,
+            sum(t for op, t in self_us.items() if op in ATTENTION_OPS) / 1e6)
+
+
+def step_split(steps: int, elapsed_s: float, linear_s: float, attention_s: float) -> dict[str, float]:
+    """ms per step of `steps` steps that took `elapsed_s`, `linear_s` of it in the linear layers
+    and `attention_s` in attention: in all ("step"), in each, and the rest ("other")."""
+    if steps == 0:
+        raise ValueError("step_split: no steps")
+    step, linear, attention = (1e3 * s / steps for s in (elapsed_s, linear_s, attention_s))
+    return {"step": step, "linear": linear, "attention": attention, "other": step - linear - attention}
 
 
 def run_hf(model_dir: Path, dtype: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> dict:

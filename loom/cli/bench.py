@@ -1079,8 +1079,8 @@ def _latency(args: argparse.Namespace) -> None:
         print(f"{r['engine']} {_variant(r)} batch {r['batch']}: {r['tok_per_s']:.1f} tok/s"
               + (f", MBU {r['mbu']:.2f}" if "mbu" in r else "")
               + (f"; a step {r['step_ms']['step']:.2f} ms: linear {r['step_ms']['linear']:.2f}, "
-                 f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other_unprofiled']:.2f} "
-                 f"({r['step_ms']['other']:.2f} profiled)" if "step_ms" in r else ""))
+                 f"attention {r['step_ms']['attention']:.2f}, other {r['step_ms']['other']:.2f} "
+                 f"(split: {r['step_split']})" if "step_ms" in r else ""))
     for k, v in ratios.items():
         print(f"{k}: {v['median']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v['rounds'])})"
               + (f"; by turn {v['turns_median']:.2f}x ({min(v['turns']):.2f}-{max(v['turns']):.2f})"

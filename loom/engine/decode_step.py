@@ -100,5 +100,14 @@ class DecodeStep:
     def serves(self, meta: AttentionMetadata) -> bool:
         return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
 
+    def time_kernels(self, on: bool) -> None:
+        """Starts (or stops) adding up the time the steps spend in the linear layers and in
+        attention, from zero (`kernel_seconds`): a benchmark's split of the steps it times."""
+        self.step.set_timed(on)
+
+    def kernel_seconds(self) -> tuple[float, float, int]:
+        """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""
+        return self.step.timings()
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)

@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -228,6 +229,11 @@ struct DecodeStep : torch::CustomClassHolder {
   double eps, scale;
   std::vector<Linear> linears;
   std::vector<Layer> layers;
+  // While `timed`: seconds in the linear layers and in attention, and steps run, since
+  // set_timed(true). A benchmark splits the steps it times with them; off, each call pays a branch.
+  bool timed = false;
+  double linear_s = 0, attention_s = 0;
+  int64_t timed_steps = 0;
 
   DecodeStep(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
@@ -249,6 +255,14 @@ struct DecodeStep : torch::CustomClassHolder {
     layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools)});
   }
 
+  void set_timed(bool on) {
+    timed = on;
+    linear_s = attention_s = 0;
+    timed_steps = 0;
+  }
+
+  std::tuple<double, double, int64_t> timings() const { return {linear_s, attention_s, timed_steps}; }
+
   // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
   // row's context with its new token). Returns the final hidden states [B, hidden].
   at::Tensor run(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
@@ -264,6 +278,7 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
       TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
     }
+    timed_steps += timed;
     at::Tensor out;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
         AT_DISPATCH_CASE(at::kFloat, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
@@ -289,6 +304,15 @@ struct DecodeStep : torch::CustomClassHolder {
     auto over_rows = [B](int64_t width, const auto& f) {
       at::parallel_for(0, B, std::max<int64_t>(1, kElementsPerTask / width), f);
     };
+    // f(), its time added to `total` while timed.
+    auto time_into = [this](double& total, const auto& f) {
+      if (!timed) return f();
+      const auto start = std::chrono::steady_clock::now();
+      at::Tensor result = f();
+      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return result;
+    };
+    auto linear = [&](const Linear& l, const at::Tensor& in) { return time_into(linear_s, [&] { return l(in); }); };
     auto add_and_norm = [&](const T* y, const at::Tensor& w) {  // x += y; normed = norm(x)
       over_rows(H, [&](int64_t b0, int64_t b1) {
         if (y) add_into(xp + b0 * H, y + b0 * H, (b1 - b0) * H);
@@ -299,7 +323,7 @@ struct DecodeStep : torch::CustomClassHolder {
     for (size_t l = 0; l < layers.size(); ++l) {
       Layer& layer = layers[l];
       const Linear* lin = &linears[4 * l];
-      const at::Tensor qkv = lin[0](normed);
+      const at::Tensor qkv = linear(lin[0], normed);
       const T* qkvp = qkv.data_ptr<T>();
       const int64_t ld = qkv.size(1);
       over_rows(q_size + kv_size, [&](int64_t b0, int64_t b1) {
@@ -319,20 +343,21 @@ struct DecodeStep : torch::CustomClassHolder {
       } else {
         write_kv(layer.pools[0], layer.pools[1], k, v, slots);
       }
-      at::Tensor attn;
-      {
+      const at::Tensor attn = time_into(attention_s, [&] {
         RECORD_FUNCTION("loom::paged_decode_attention", std::vector<c10::IValue>());
-        attn = std::get<0>(paged_decode_attention(q, layer.pools[0], layer.pools[1], block_tables,
-                                                   context_lens, scale, key_scales, value_scales));
-      }
-      add_and_norm(lin[1](attn.view({B, q_size})).data_ptr<T>(), layer.post_norm);
-      const at::Tensor gate_up = lin[2](normed);
+        return std::get<0>(paged_decode_attention(q, layer.pools[0], layer.pools[1], block_tables, context_lens,
+                                                  scale, key_scales, value_scales));
+      });
+      const at::Tensor o = linear(lin[1], attn.view({B, q_size}));
+      add_and_norm(o.data_ptr<T>(), layer.post_norm);
+      const at::Tensor gate_up = linear(lin[2], normed);
       const int64_t I = gate_up.size(1) / 2;
       at::Tensor act = at::empty({B, I}, options);
       over_rows(2 * I, [&](int64_t b0, int64_t b1) {
         silu_and_mul(gate_up.data_ptr<T>() + b0 * 2 * I, b1 - b0, I, act.data_ptr<T>() + b0 * I);
       });
-      add_and_norm(lin[3](act).data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
+      const at::Tensor down = linear(lin[3], act);
+      add_and_norm(down.data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
     }
     return normed;
   }
@@ -343,5 +368,7 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("add_linear", &DecodeStep::add_linear)
       .def("add_layer", &DecodeStep::add_layer)
+      .def("set_timed", &DecodeStep::set_timed)
+      .def("timings", &DecodeStep::timings)
       .def("run", &DecodeStep::run);
 }
