@@ -64,9 +64,10 @@ def test_step_time_splits_by_operator():
 
 
 def test_decode_run_splits_its_own_steps_when_the_cpp_step_serves_them(gqa, monkeypatch):
-    """Where the C++ decode step runs every timed step, each run's split comes from those steps;
-    between runs the C++ step's timing is off and the LM head's removed. Without the C++ step a
-    run has no split of its own."""
+    """Where the C++ decode step runs every timed step, each run's split comes from those steps:
+    every linear layer's and attention's call in the step, and the LM head's; between runs the C++
+    step's timing is off and the LM head's removed. Without the C++ step a run has no split of its
+    own."""
     monkeypatch.setenv("LOOM_ENFORCE_EAGER", "0")  # the C++ step comes with the compiled decode graphs
     run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
     decode_step, head = run.engine.runner.decode_step, run.engine.runner.model.lm_head
@@ -74,6 +75,10 @@ def test_decode_run_splits_its_own_steps_when_the_cpp_step_serves_them(gqa, monk
     rate = run.time_decode()
     split, = run.splits
     assert set(split) == {"step", "linear", "attention", "other"} and split["step"] == pytest.approx(1e3 / rate)
+    # On the tests' counter (a millisecond a reading, in C++ as in Python) a timed call takes 1 ms:
+    # a step's four linear layers a decoder layer and the LM head, and its attention a layer.
+    layers = ModelConfig.from_dir(gqa[0]).num_layers
+    assert split["linear"] == pytest.approx(4 * layers + 1) and split["attention"] == pytest.approx(layers)
     assert decode_step.kernel_seconds() == (0.0, 0.0, 0)  # off, and reset
     assert not head._forward_pre_hooks and not head._forward_hooks  # the LM head's timing removed
     run.engine.runner.decode_step = None  # compiled graphs only: no split of its own

@@ -100,10 +100,12 @@ class DecodeStep:
     def serves(self, meta: AttentionMetadata) -> bool:
         return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
 
-    def time_kernels(self, on: bool) -> None:
+    def time_kernels(self, on: bool, counter: bool = False) -> None:
         """Starts (or stops) adding up the time the steps spend in the linear layers and in
-        attention, from zero (`kernel_seconds`): a benchmark's split of the steps it times."""
-        self.step.set_timed(on)
+        attention, from zero (`kernel_seconds`): a benchmark's split of the steps it times. With
+        `counter`, each reading of the clock is a millisecond after the last instead (a test's
+        fixed figures)."""
+        self.step.set_timing(0 if not on else 2 if counter else 1)  # decode_step.cpp's Timing
 
     def kernel_seconds(self) -> tuple[float, float, int]:
         """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""

@@ -229,10 +229,13 @@ struct DecodeStep : torch::CustomClassHolder {
   double eps, scale;
   std::vector<Linear> linears;
   std::vector<Layer> layers;
-  // While `timed`: seconds in the linear layers and in attention, and steps run, since
-  // set_timed(true). A benchmark splits the steps it times with them; off, each call pays a branch.
-  bool timed = false;
-  double linear_s = 0, attention_s = 0;
+  // While timing: seconds in the linear layers and in attention, and steps run, since
+  // set_timing turned it on, for a benchmark to split the steps it times. Timing reads the steady
+  // clock (kSteadyClock) or a counter a millisecond a reading (kCounter: the fixed figures of a
+  // test, whose measurements' clock is such a counter); off, each call pays a branch.
+  enum Timing : int64_t { kOff = 0, kSteadyClock = 1, kCounter = 2 };
+  int64_t timing = kOff;
+  double linear_s = 0, attention_s = 0, counter_s = 0;
   int64_t timed_steps = 0;
 
   DecodeStep(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t num_heads,
@@ -255,9 +258,10 @@ struct DecodeStep : torch::CustomClassHolder {
     layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools)});
   }
 
-  void set_timed(bool on) {
-    timed = on;
-    linear_s = attention_s = 0;
+  void set_timing(int64_t mode) {
+    TORCH_CHECK(mode >= kOff && mode <= kCounter, "DecodeStep: unknown timing mode ", mode);
+    timing = mode;
+    linear_s = attention_s = counter_s = 0;
     timed_steps = 0;
   }
 
@@ -278,7 +282,7 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
       TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
     }
-    timed_steps += timed;
+    timed_steps += timing != kOff;
     at::Tensor out;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
         AT_DISPATCH_CASE(at::kFloat, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
@@ -304,12 +308,16 @@ struct DecodeStep : torch::CustomClassHolder {
     auto over_rows = [B](int64_t width, const auto& f) {
       at::parallel_for(0, B, std::max<int64_t>(1, kElementsPerTask / width), f);
     };
-    // f(), its time added to `total` while timed.
-    auto time_into = [this](double& total, const auto& f) {
-      if (!timed) return f();
-      const auto start = std::chrono::steady_clock::now();
+    auto now = [this] {
+      if (timing == kCounter) return counter_s += 1e-3;
+      return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    };
+    // f(), its time added to `total` while timing.
+    auto time_into = [&](double& total, const auto& f) {
+      if (timing == kOff) return f();
+      const double start = now();
       at::Tensor result = f();
-      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      total += now() - start;
       return result;
     };
     auto linear = [&](const Linear& l, const at::Tensor& in) { return time_into(linear_s, [&] { return l(in); }); };
@@ -368,7 +376,7 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("add_linear", &DecodeStep::add_linear)
       .def("add_layer", &DecodeStep::add_layer)
-      .def("set_timed", &DecodeStep::set_timed)
+      .def("set_timing", &DecodeStep::set_timing)
       .def("timings", &DecodeStep::timings)
       .def("run", &DecodeStep::run);
 }
