@@ -29,6 +29,7 @@ from loom.quant.linear import WeightOnlyLinear
 logger = logging.getLogger(__name__)
 
 _KINDS = {"panel": 0, "int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind
+_TIMING = {"off": 0, "steady_clock": 1, "counter": 2}  # decode_step.cpp's DecodeStep::Timing
 
 
 def _own_until(plan: Plan) -> float:
@@ -105,7 +106,7 @@ class DecodeStep:
         attention, from zero (`kernel_seconds`): a benchmark's split of the steps it times. With
         `counter`, each reading of the clock is a millisecond after the last instead (a test's
         fixed figures)."""
-        self.step.set_timing(0 if not on else 2 if counter else 1)  # decode_step.cpp's Timing
+        self.step.set_timing(_TIMING["off" if not on else "counter" if counter else "steady_clock"])
 
     def kernel_seconds(self) -> tuple[float, float, int]:
         """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""
