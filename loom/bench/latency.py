@@ -105,10 +105,10 @@ class LoomDecodeRun:
         self.prefill()
         runner = self.engine.runner
         decode_step, head = runner.decode_step, runner.model.lm_head
-        head_starts, head_ends = [], []
-        hooks = [head.register_forward_pre_hook(lambda *_: head_starts.append(clock.now())),
-                 head.register_forward_hook(lambda *_: head_ends.append(clock.now()))]
-        if decode_step is not None:
+        head_starts, head_ends, hooks = [], [], []
+        if decode_step is not None:  # else no split of the run's own: its steps run untouched
+            hooks = [head.register_forward_pre_hook(lambda *_: head_starts.append(clock.now())),
+                     head.register_forward_hook(lambda *_: head_ends.append(clock.now()))]
             decode_step.time_kernels(True, counter=not clock.is_machine_clock())
         try:
             start = clock.now()
