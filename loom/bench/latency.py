@@ -109,7 +109,7 @@ class LoomDecodeRun:
         if decode_step is not None:  # else no split of the run's own: its steps run untouched
             hooks = [head.register_forward_pre_hook(lambda *_: head_starts.append(clock.now())),
                      head.register_forward_hook(lambda *_: head_ends.append(clock.now()))]
-            decode_step.time_kernels(True, counter=not clock.is_machine_clock())
+            decode_step.time_kernels(True)
         try:
             start = clock.now()
             steps = self.decode_steps()
