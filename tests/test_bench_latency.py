@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import random_prompts
 from loom import LLM, SamplingParams
 from loom.bench.latency import (ATTENTION_OPS, LINEAR_OPS, LoomDecodeRun, interleaved, kv_bytes, latency_engine,
-                                operator_seconds, step_split, weight_bytes)
+                                loom_result, operator_seconds, step_split, weight_bytes)
 from loom.kernels import load_kernels
 from loom.kv.cache import KVCache
 from loom.models.config import ModelConfig
@@ -63,27 +64,35 @@ def test_step_time_splits_by_operator():
         step_split(steps=0, elapsed_s=0.0, linear_s=0.0, attention_s=0.0)
 
 
-def test_decode_run_splits_its_own_steps_when_the_cpp_step_serves_them(gqa, monkeypatch):
-    """Where the C++ decode step runs every timed step, each run's split comes from those steps:
-    every linear layer's and attention's call in the step, and the LM head's; between runs the C++
-    step's timing is off and the LM head's removed. Without the C++ step a run has no split of its
-    own."""
+def test_cpp_step_counts_the_steps_it_runs_while_timing(gqa, monkeypatch):
+    """The C++ decode step counts the steps it ran since its timing was turned on, none while it
+    is off, and starts again from zero. Its timing runs on a counter here (no clock is read)."""
     monkeypatch.setenv("LOOM_ENFORCE_EAGER", "0")  # the C++ step comes with the compiled decode graphs
     run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
-    decode_step, head = run.engine.runner.decode_step, run.engine.runner.model.lm_head
+    decode_step = run.engine.runner.decode_step
     assert decode_step is not None and decode_step.max_batch >= 2
-    rate = run.time_decode()
-    split, = run.splits
-    assert set(split) == {"step", "linear", "attention", "other"} and split["step"] == pytest.approx(1e3 / rate)
-    # On the tests' counter (a millisecond a reading, in C++ as in Python) a timed call takes 1 ms:
-    # a step's four linear layers a decoder layer and the LM head, and its attention a layer.
-    layers = ModelConfig.from_dir(gqa[0]).num_layers
-    assert split["linear"] == pytest.approx(4 * layers + 1) and split["attention"] == pytest.approx(layers)
-    assert decode_step.kernel_seconds() == (0.0, 0.0, 0)  # off, and reset
-    assert not head._forward_pre_hooks and not head._forward_hooks  # the LM head's timing removed
-    run.engine.runner.decode_step = None  # compiled graphs only: no split of its own
-    run.time_decode()
-    assert run.splits[1] is None
+    run.prefill()
+    decode_step.time_kernels(True, counter=True)
+    assert run.decode_steps() == 5 and decode_step.kernel_seconds()[2] == 5
+    decode_step.time_kernels(False)
+    run.prefill()
+    run.decode_steps()
+    assert decode_step.kernel_seconds() == (0.0, 0.0, 0)
+
+
+def test_a_row_splits_its_step_by_its_own_runs_only_when_each_has_a_split():
+    """loom_result: where each of the rates' runs carries its own split, the row's is their median
+    (an untimed first run before them does not count); where one has none, a profiled run's."""
+    splits = [{"step": 1, "linear": 1, "attention": 1, "other": 1}, {"step": 2, "linear": 2, "attention": 2, "other": 2},
+              {"step": 3, "linear": 3, "attention": 3, "other": 3}]
+    profiled = {"step": 9, "linear": 9, "attention": 9, "other": 9}
+    run = SimpleNamespace(dtype="bfloat16", quantization=None, symmetric=False, kv_cache_dtype="auto", batch=1,
+                          splits=[None, *splits], breakdown=lambda steps_per_s: profiled)
+    row = loom_result(run, [1.0, 1.0, 1.0])
+    assert (row["step_split"], row["step_ms"]) == ("timed", splits[1])
+    run.splits = [splits[0], None, splits[2]]
+    row = loom_result(run, [1.0, 1.0, 1.0])
+    assert (row["step_split"], row["step_ms"]) == ("profiled", profiled)
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
