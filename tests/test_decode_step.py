@@ -1,5 +1,6 @@
-"""The C++ decode step (loom/engine/decode_step.py) against the compiled decode graphs, bit for
-bit, and against eager execution by the tokens it decodes; which models and steps it serves."""
+"""The C++ decode step (loom/engine/decode_step.py) against the compiled decode graphs and the
+model's LM head, bit for bit, its argmax against the sampler's, and against eager execution by
+the tokens it decodes; which models and steps it serves."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from loom import LLM, SamplingParams
 from loom.engine import model_runner
 from loom.engine.decode_step import DecodeStep
 from loom.kv.attention import DecodeScores
+from loom.layers.sampler import first_argmax
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
            {"prompt_token_ids": [7] * 3}]
@@ -24,21 +26,24 @@ def generate(model_dir, enforce_eager: bool, **kwargs) -> tuple[list[list[int]],
 
 @pytest.fixture
 def both_paths(monkeypatch):
-    """Runs every decode step the C++ step serves through the compiled graph too, the graph's
-    output kept (so the C++ step's KV writes are written again by the graph's); returns the pairs
-    of hidden states."""
+    """Runs every decode step the C++ step serves through the compiled graph and the model's LM
+    head too, the graph's logits kept (so the C++ step's KV writes are written again by the
+    graph's, and the sampler scans the graph's logits); returns the pairs of logits, after
+    checking that the C++ step's argmax of each row is the sampler's scan of its logits."""
     pairs = []
-    forward = model_runner.ModelRunner._forward
+    run = model_runner.ModelRunner._run
 
-    def run_both(self, ids, positions, meta, decode_only):
-        if decode_only and self.decode_step is not None and self.decode_step.serves(meta):
-            ours = self.decode_step(ids, positions, meta).clone()
-            graphs = self.decode_graphs(ids, positions, meta)
-            pairs.append((ours, graphs))
-            return graphs
-        return forward(self, ids, positions, meta, decode_only)
+    def run_both(self, inputs):
+        logits, argmax = run(self, inputs)
+        if argmax is None:  # not a step the C++ step ran
+            return logits, argmax
+        ours = logits[0].clone()
+        assert argmax.tolist() == first_argmax(ours)
+        graphs = self.model.compute_logits(self.decode_graphs(inputs.input_ids, inputs.positions, inputs.meta))
+        pairs.append((ours, graphs))
+        return [graphs], None
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_forward", run_both)
+    monkeypatch.setattr(model_runner.ModelRunner, "_run", run_both)
     return pairs
 
 
@@ -109,6 +114,33 @@ def test_models_outside_the_llama_family_run_through_the_graphs(hf_models):
     llm = LLM(str(model_dir), enforce_eager=False, max_num_seqs=4)
     assert llm.engine.runner.decode_step is None and llm.engine.runner.decode_graphs is not None
     assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_decode_step_argmax_takes_the_first_largest_and_a_nan_first(tmp_path):
+    """As numpy's argmax, which the sampler's scan is: of equal logits the first, and a NaN over
+    any number. fp32 head weights in panels of 32 channels (weight[p, 32 k + c]: channel 32 p + c,
+    input k)."""
+    build_hf_model(tmp_path, "llama_gqa", vocab_size=250)  # a last, partial vector of 10 logits
+    llm = LLM(str(tmp_path), enforce_eager=False, dtype="float32", max_num_seqs=4)
+    step, head = llm.engine.runner.decode_step, llm.engine.runner.model.lm_head
+    ids, positions = torch.tensor([3]), torch.tensor([0])
+
+    def channel(n: int) -> torch.Tensor:
+        return head.weight[n // 32, n % 32::32]
+
+    last = head.out_features - 1  # in the partial vector
+    head.weight.zero_()  # every logit 0
+    channel(last).fill_(1.0)
+    sign = 1.0 if step(ids, positions, _decode_meta(1))[0][0, last] > 0 else -1.0
+    channel(last - 1).fill_(sign)
+    channel(last).fill_(sign)
+    logits, argmax = step(ids, positions, _decode_meta(1))
+    assert logits[0, last] > 0
+    assert argmax.tolist() == first_argmax(logits) == [last - 1]
+    channel(40).fill_(float("nan"))
+    channel(70).fill_(float("nan"))
+    logits, argmax = step(ids, positions, _decode_meta(1))
+    assert argmax.tolist() == first_argmax(logits) == [40]
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused(gqa):

@@ -53,6 +53,22 @@ def test_greedy_takes_the_first_of_tied_maxima():
     assert first_argmax(logits.double()) == expected  # torch's path (numpy's serves fp32 on CPU)
 
 
+def test_greedy_takes_a_given_argmax_only_for_logits_left_as_they_came():
+    """A caller's argmax of each row (the C++ decode step's) is a greedy row's token while no
+    penalty, banned token or logits processor changes its logits; else the sampler scans."""
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 1.0
+    given = torch.tensor([6, 7, 8])  # not the logits' argmax: shows which one was taken
+    greedy = SamplingParams(temperature=0)
+    assert [r.token_ids for r in Sampler(0)(logits, [row(greedy)] * 3, given)] == [[6], [7], [8]]
+    mixed = [row(greedy), row(SamplingParams(temperature=1.0, seed=3)), row(greedy)]
+    chosen = [r.token_ids for r in Sampler(0)(logits, mixed, given)]
+    assert (chosen[0], chosen[2]) == ([6], [8])
+    penalized = SamplingParams(temperature=0, presence_penalty=2.0)
+    changed = [row(greedy), row(greedy, banned=[4]), row(penalized, output=[4])]
+    assert [r.token_ids for r in Sampler(0)(logits, changed, given)] == [[4], [0], [0]]
+
+
 def test_banned_tokens_masked():
     logits = torch.zeros(1, 10)
     out = apply_penalties(logits, [row(SamplingParams(), banned=[2, 5])])

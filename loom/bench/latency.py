@@ -66,9 +66,8 @@ class LoomDecodeRun:
     the decode steps to the end and returns steps/s.
 
     Where the C++ decode step ran every timed step, the run's split of a step's time comes from
-    those same steps (`splits`): the C++ step adds up its linear layers' and attention's time, and
-    the LM head is timed around its calls. Elsewhere (compiled decode graphs) `breakdown` profiles
-    one more run."""
+    those same steps (`splits`): the C++ step adds up its linear layers' (the LM head's too) and
+    attention's time. Elsewhere (compiled decode graphs) `breakdown` profiles one more run."""
 
     def __init__(self, model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
                  max_tokens: int, kv_cache_dtype: str = "auto", symmetric: bool = False) -> None:
@@ -103,12 +102,8 @@ class LoomDecodeRun:
 
     def time_decode(self) -> float:
         self.prefill()
-        runner = self.engine.runner
-        decode_step, head = runner.decode_step, runner.model.lm_head
-        head_starts, head_ends, hooks = [], [], []
+        decode_step = self.engine.runner.decode_step
         if decode_step is not None:  # else no split of the run's own: its steps run untouched
-            hooks = [head.register_forward_pre_hook(lambda *_: head_starts.append(clock.now())),
-                     head.register_forward_hook(lambda *_: head_ends.append(clock.now()))]
             decode_step.time_kernels(True)
         try:
             start = clock.now()
@@ -116,12 +111,9 @@ class LoomDecodeRun:
             elapsed = clock.now() - start
             linear_s, attention_s, served = decode_step.kernel_seconds() if decode_step is not None else (0, 0, 0)
         finally:
-            for hook in hooks:
-                hook.remove()
             if decode_step is not None:
                 decode_step.time_kernels(False)
-        head_s = sum(end - begin for begin, end in zip(head_starts, head_ends))
-        self.splits.append(step_split(steps, elapsed, linear_s + head_s, attention_s) if served == steps > 0 else None)
+        self.splits.append(step_split(steps, elapsed, linear_s, attention_s) if served == steps > 0 else None)
         return steps / elapsed
 
     def breakdown(self, steps_per_s: float) -> dict[str, float]:

@@ -3,8 +3,9 @@
 At batch 1 an int4 step's weights stream in about a millisecond, and a compiled graph's own work
 (its inputs' handles, its custom-op calls, its buffers, its Python wrappers) took 0.13-0.3 ms more
 (docs/benchmarks, "Decode steps as one C++ call"). `DecodeStep` holds the model's weights and the
-KV pools from load on and runs the whole step, embedding to final norm, in Loom's C++: one call a
-step, with the step's five tensors.
+KV pools from load on and runs the whole step, embedding to LM head, in Loom's C++: one call a
+step, with the step's five tensors. It returns the logits and each row's argmax, which a greedy
+row takes as its token without a scan of its own.
 
 It serves the steps it can compute exactly as the model does: a `LlamaForCausalLM` (Llama,
 Mistral, Qwen2; MHA, GQA, MQA) in one process, every linear layer on Loom's own kernels at the
@@ -52,38 +53,47 @@ def _unserved(model: torch.nn.Module) -> str | None:
             return "attention is not Loom's C++ paged attention"
         if attn.rotary.rotary_dim:
             return "rotary embedding on part of each head"
-        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not (isinstance(linear, DenseLinear) and linear.packed or isinstance(linear, WeightOnlyLinear)):
-                return f"a linear layer ({type(linear).__name__}) not on Loom's kernels"
+    for linear in _linears(model):
+        if not (isinstance(linear, DenseLinear) and linear.packed or isinstance(linear, WeightOnlyLinear)):
+            return f"a linear layer ({type(linear).__name__}) not on Loom's kernels"
     return None
 
 
+def _linears(model: LlamaForCausalLM) -> list[torch.nn.Module]:
+    """The linear layers in the order the step runs them: four a layer, then the LM head."""
+    layers = [(l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj) for l in model.layers]
+    return [linear for four in layers for linear in four] + [model.lm_head]
+
+
 class DecodeStep:
-    """`step(ids, positions, meta)`: the final hidden states of a decode-only step that
-    `step.serves(meta)`."""
+    """`step(ids, positions, meta)`: the logits (and each row's argmax) of a decode-only step
+    that `step.serves(meta)`."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int) -> None:
         load_kernels()
         first = model.layers[0].self_attn
         cfg = model.config
+        linears = _linears(model)
         # The largest batch every layer runs on Loom's own kernels.
-        linears = [m for m in model.modules() if isinstance(m, (DenseLinear, WeightOnlyLinear)) and m is not model.lm_head]
         self.max_batch = min(max_batch, *(_own_until(m.plan) for m in linears))
         self.step = torch.classes.loom.DecodeStep(
             model.embed_tokens.weight, model.norm.weight, first.rotary.cos, first.rotary.sin, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, model.norm.eps, first.attn.scale)
         dtype = model.embed_tokens.weight.dtype
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                bias = None if linear.bias is None else linear.bias.to(dtype)
-                if isinstance(linear, DenseLinear):
-                    self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features)
-                else:
-                    self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
-                                         linear.group_size, linear.out_features)
+            for linear in linears[4 * i:4 * i + 4]:
+                self._add_linear(linear, dtype)
             pools = [p[i] for keys, values in cache.pools() for p in (keys, values)]
             self.step.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, pools)
+        self._add_linear(model.lm_head, dtype)
+
+    def _add_linear(self, linear: DenseLinear | WeightOnlyLinear, dtype: torch.dtype) -> None:
+        bias = None if linear.bias is None else linear.bias.to(dtype)
+        if isinstance(linear, DenseLinear):
+            self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features)
+        else:
+            self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
+                                 linear.group_size, linear.out_features)
 
     @staticmethod
     def build(model: torch.nn.Module, cache: KVCache, max_batch: int) -> DecodeStep | None:
@@ -102,8 +112,9 @@ class DecodeStep:
         return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
 
     def time_kernels(self, on: bool, counter: bool = False) -> None:
-        """Starts (or stops) adding up the time the steps spend in the linear layers and in
-        attention, from zero (`kernel_seconds`): a benchmark's split of the steps it times. With
+        """Starts (or stops) adding up the time the steps spend in the linear layers (the LM head
+        among them) and in attention, from zero (`kernel_seconds`): a benchmark's split of the
+        steps it times. With
         `counter`, each reading of the clock is a millisecond after the last instead (a test's
         fixed figures)."""
         self.step.set_timing(_TIMING["off" if not on else "counter" if counter else "steady_clock"])
@@ -112,5 +123,8 @@ class DecodeStep:
         """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""
         return self.step.timings()
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's logits [B, vocab] float32 (as `compute_logits` gives them) and each row's
+        argmax [B] (its first largest logit)."""
         return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)

@@ -154,8 +154,6 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  decode_only: bool) -> torch.Tensor:
-        if self.decode_step is not None and decode_only and self.decode_step.serves(meta):
-            return self.decode_step(ids, positions, meta)
         if self.decode_graphs is not None and decode_only:
             return self.decode_graphs(ids, positions, meta)
         return self.model(ids, positions, self.cache, meta)
@@ -208,7 +206,7 @@ class ModelRunner:
         try:
             if self.parallel.world_size > 1:
                 self._count_collectives(inputs, broadcast_step(inputs, self.parallel)[1])
-            logits = self._run(inputs)
+            logits, argmax = self._run(inputs)
         except Exception as error:
             if self.parallel.world_size == 1:
                 raise
@@ -217,7 +215,7 @@ class ModelRunner:
         outputs = [SeqStepOutput() for _ in batch.seqs]
         if sampled_seqs:
             rows = [self._sample_row(batch.seqs[i]) for i in sampled_seqs]
-            for i, result in zip(sampled_seqs, self.sampler(logits[0], rows)):
+            for i, result in zip(sampled_seqs, self.sampler(logits[0], rows, argmax)):
                 outputs[i].sample = result
         for i, chunk_logits in zip(prompt_seqs, logits[1 if sampled_seqs else 0:]):
             outputs[i].prompt_logprobs = self._prompt_logprobs(batch.seqs[i], chunk_logits)
@@ -263,9 +261,10 @@ class ModelRunner:
                                                      inputs.input_ids.numel(), logit_rows, rows_per_rank, items):
             self.collectives.add(kind, calls, nbytes)
 
-    def _run(self, inputs: StepInputs) -> list[torch.Tensor]:
+    def _run(self, inputs: StepInputs) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The step's model work, the same on every rank: the cache's block operations, the
-        forward, and the logits of the sampled rows and of each prompt-logprob chunk."""
+        forward, and the logits of the sampled rows and of each prompt-logprob chunk; where the
+        C++ decode step ran it, each sampled row's argmax too (else None)."""
         # Order matters: moves concern blocks their sequences held when the moves were planned
         # (the swap-out copies what they leave); blocks freed by a swap-out may be refilled by a
         # swap-in or a copy.
@@ -277,6 +276,9 @@ class ModelRunner:
         decode_only = not inputs.meta.prefills
         meta, copies = self._local(inputs.meta, inputs.copies, decode_only)
         self.cache.copy_blocks(copies)
+        if decode_only and self.decode_step is not None and self.decode_step.serves(meta):
+            logits, argmax = self.decode_step(inputs.input_ids, inputs.positions, meta)
+            return [logits], argmax  # a decode-only step samples every row
         hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only)
         logits = []
         if inputs.sample_rows:
@@ -285,7 +287,7 @@ class ModelRunner:
                 sampled = hidden[torch.tensor(inputs.sample_rows, device=self.device)]
             logits.append(self.model.compute_logits(sampled))
         logits += [self.model.compute_logits(hidden[first:first + n]) for first, n in inputs.prompt_logit_rows]
-        return logits
+        return logits, None
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], list[int]]:
         """The step's inputs, and (as batch indices) the sequences sampled and those whose prompt

@@ -1,7 +1,9 @@
 // A Llama-family model's whole decode step in one call: embedding, every decoder layer (RMSNorm,
 // fused QKV projection, rotary embedding, the new keys and values into the paged pool, decode
 // attention, O projection, RMSNorm, fused gate/up, SwiGLU, down projection, the residual adds),
-// then the final norm; the hidden states out, for the LM head.
+// the final norm and the LM head; the logits out, with each row's argmax (what a greedy row
+// samples: found here while the logits are in cache, where a scan from Python, after the
+// step's weights have streamed through the caches, took about 50 us at batch 1).
 //
 // At batch 1 a compiled decode graph spends about as long on its own work as on the fused
 // elementwise kernels and attention together: a tensor handle for each of its ~150 inputs, a
@@ -27,10 +29,12 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -213,6 +217,44 @@ void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
   }
 }
 
+// Whether f is a NaN, by its bits (calls that inline into -ffast-math code may have std::isnan
+// folded to false).
+inline bool is_nan(float f) { return (std::bit_cast<uint32_t>(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+
+// The index of the first largest of x[0:n], n >= 1, a NaN counting as larger than any number
+// (numpy's argmax): the token a greedy row samples. Two passes, the largest value then its first
+// place, a vector at a time where this build has AVX-512.
+inline int64_t first_argmax(const float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(v, top);
+  }
+  if (!nan) {
+    float largest = _mm512_reduce_max_ps(top);
+    for (int64_t j = i; j < n; ++j) largest = x[j] > largest || is_nan(x[j]) ? x[j] : largest;
+    if (!is_nan(largest)) {
+      const __m512 wanted = _mm512_set1_ps(largest);
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16)
+        if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), wanted, _CMP_EQ_OQ))
+          return j + __builtin_ctz(hit);
+      for (; x[j] != largest; ++j) {}
+      return j;
+    }
+  }
+  i = 0;  // a NaN: the scan below finds the first
+#endif
+  int64_t best = 0;
+  for (++i; i < n && !is_nan(x[best]); ++i)
+    if (x[i] > x[best] || is_nan(x[i])) best = i;
+  return best;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -221,8 +263,8 @@ void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
 // not split over threads: a fork and join costs about as much as that many elements' work.
 constexpr int64_t kElementsPerTask = 16384;
 
-// Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer);
-// run() is a step of decode rows.
+// Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer;
+// after the last layer, add_linear once more: the LM head); run() is a step of decode rows.
 struct DecodeStep : torch::CustomClassHolder {
   at::Tensor embed, final_norm, cos, sin;
   int64_t num_heads, num_kv_heads, head_dim;
@@ -268,13 +310,15 @@ struct DecodeStep : torch::CustomClassHolder {
   std::tuple<double, double, int64_t> timings() const { return {linear_s, attention_s, timed_steps}; }
 
   // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
-  // row's context with its new token). Returns the final hidden states [B, hidden].
-  at::Tensor run(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
-                 at::Tensor context_lens) {
+  // row's context with its new token). Returns the logits [B, vocab] fp32 and each row's argmax
+  // [B] int64: the first largest logit (a NaN counting as the largest, as numpy's argmax has it).
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
+                                         at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&
                     positions.is_contiguous() && ids.numel() == positions.numel(),
                 "DecodeStep: ids and positions [B] int64");
-    TORCH_CHECK(!layers.empty(), "DecodeStep: no layers added");
+    TORCH_CHECK(!layers.empty() && linears.size() == 4 * layers.size() + 1,
+                "DecodeStep: add the layers, then the LM head");
     const int64_t B = ids.numel(), H = embed.size(1), vocab = embed.size(0), max_pos = cos.size(0);
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
@@ -283,11 +327,14 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
     }
     timed_steps += timing != kOff;
-    at::Tensor out;
+    at::Tensor logits;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
-        AT_DISPATCH_CASE(at::kFloat, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] { out = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); }));
-    return out;
+        AT_DISPATCH_CASE(at::kFloat, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); }));
+    at::Tensor argmax = at::empty({B}, ids.options());
+    const int64_t V = logits.size(1);
+    for (int64_t b = 0; b < B; ++b) argmax.data_ptr<int64_t>()[b] = first_argmax(logits.data_ptr<float>() + b * V, V);
+    return {logits, argmax};
   }
 
  private:
@@ -367,7 +414,7 @@ struct DecodeStep : torch::CustomClassHolder {
       const at::Tensor down = linear(lin[3], act);
       add_and_norm(down.data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
     }
-    return normed;
+    return linear(linears.back(), normed).to(at::kFloat).contiguous();  // the LM head, as compute_logits
   }
 };
 

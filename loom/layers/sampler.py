@@ -51,10 +51,14 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
-        """logits [R, V] float32, one row per SampleRow -> one result per row."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 argmax: torch.Tensor | None = None) -> list[SampleResult]:
+        """logits [R, V] float32, one row per SampleRow -> one result per row. `argmax` [R]: each
+        row's first largest logit, where the caller has it (greedy rows whose logits no penalty
+        or processor changes take it)."""
         needs_logprobs = any(r.params.logprobs is not None or r.num_proposals for r in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if needs_logprobs else None
+        raw = logits
         logits = apply_logits_processors(apply_penalties(logits, rows), rows)
         results = [SampleResult(token_ids=[]) for _ in rows]
         for i, r in enumerate(rows):
@@ -63,7 +67,10 @@ class Sampler:
                 results[i].proposals = list(zip(ids.tolist(), values.tolist()))
         greedy = [i for i, r in enumerate(rows) if r.params.greedy and not r.num_proposals]
         if greedy:
-            chosen = first_argmax(logits if len(greedy) == len(rows) else logits[greedy])
+            if argmax is not None and logits is raw:  # the logits as they came: their argmax holds
+                chosen = argmax.tolist() if len(greedy) == len(rows) else argmax[greedy].tolist()
+            else:
+                chosen = first_argmax(logits if len(greedy) == len(rows) else logits[greedy])
             for i, tok in zip(greedy, chosen):
                 results[i].token_ids = [tok]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
