@@ -114,9 +114,8 @@ class DecodeStep:
     def time_kernels(self, on: bool, counter: bool = False) -> None:
         """Starts (or stops) adding up the time the steps spend in the linear layers (the LM head
         among them) and in attention, from zero (`kernel_seconds`): a benchmark's split of the
-        steps it times. With
-        `counter`, each reading of the clock is a millisecond after the last instead (a test's
-        fixed figures)."""
+        steps it times. With `counter`, each reading of the clock is a millisecond after the last
+        instead (a test's fixed figures)."""
         self.step.set_timing(_TIMING["off" if not on else "counter" if counter else "steady_clock"])
 
     def kernel_seconds(self) -> tuple[float, float, int]:
