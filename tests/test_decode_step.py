@@ -137,6 +137,10 @@ def test_decode_step_argmax_takes_the_first_largest_and_a_nan_first(tmp_path):
     logits, argmax = step(ids, positions, _decode_meta(1))
     assert logits[0, last] > 0
     assert argmax.tolist() == first_argmax(logits) == [last - 1]
+    channel(35).fill_(2 * sign)  # lane 3 of its vector: larger, and tied with channel 20 (lane 4)
+    channel(20).fill_(2 * sign)
+    logits, argmax = step(ids, positions, _decode_meta(1))
+    assert argmax.tolist() == first_argmax(logits) == [20]
     channel(40).fill_(float("nan"))
     channel(70).fill_(float("nan"))
     logits, argmax = step(ids, positions, _decode_meta(1))

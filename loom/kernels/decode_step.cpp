@@ -222,32 +222,39 @@ void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
 inline bool is_nan(float f) { return (std::bit_cast<uint32_t>(f) & 0x7FFFFFFFu) > 0x7F800000u; }
 
 // The index of the first largest of x[0:n], n >= 1, a NaN counting as larger than any number
-// (numpy's argmax): the token a greedy row samples. Two passes, the largest value then its first
-// place, a vector at a time where this build has AVX-512.
+// (numpy's argmax): the token a greedy row samples. One pass where this build has AVX-512: each
+// lane keeps its largest value and where it first saw it, and the lanes' winners meet at the end.
 inline int64_t first_argmax(const float* x, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 nan = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(v, top);
-  }
-  if (!nan) {
-    float largest = _mm512_reduce_max_ps(top);
-    for (int64_t j = i; j < n; ++j) largest = x[j] > largest || is_nan(x[j]) ? x[j] : largest;
-    if (!is_nan(largest)) {
-      const __m512 wanted = _mm512_set1_ps(largest);
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16)
-        if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), wanted, _CMP_EQ_OQ))
-          return j + __builtin_ctz(hit);
-      for (; x[j] != largest; ++j) {}
-      return j;
+  if (n >= 16) {
+    __m512 top = _mm512_loadu_ps(x);
+    __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = where;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      index = _mm512_add_epi32(index, step);
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);  // strictly: a lane keeps its first
+      top = _mm512_mask_blend_ps(larger, top, v);
+      where = _mm512_mask_blend_epi32(larger, where, index);
     }
+    if (!nan) {
+      alignas(64) float values[16];
+      alignas(64) int32_t places[16];
+      _mm512_store_ps(values, top);
+      _mm512_store_si512(places, where);
+      int64_t best = places[0];
+      for (int j = 1; j < 16; ++j)
+        if (values[j] > x[best] || (values[j] == x[best] && places[j] < best)) best = places[j];
+      for (; i < n && !is_nan(x[i]); ++i)  // the tail
+        if (x[i] > x[best]) best = i;
+      if (i == n) return best;
+    }
+    i = 0;  // a NaN: the scan below finds the first
   }
-  i = 0;  // a NaN: the scan below finds the first
 #endif
   int64_t best = 0;
   for (++i; i < n && !is_nan(x[best]); ++i)
@@ -333,7 +340,11 @@ struct DecodeStep : torch::CustomClassHolder {
         AT_DISPATCH_CASE(at::kBFloat16, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); }));
     at::Tensor argmax = at::empty({B}, ids.options());
     const int64_t V = logits.size(1);
-    for (int64_t b = 0; b < B; ++b) argmax.data_ptr<int64_t>()[b] = first_argmax(logits.data_ptr<float>() + b * V, V);
+    const float* lp = logits.data_ptr<float>();
+    int64_t* ap = argmax.data_ptr<int64_t>();
+    at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {  // four rows' scans outweigh a fork
+      for (int64_t b = b0; b < b1; ++b) ap[b] = first_argmax(lp + b * V, V);
+    });
     return {logits, argmax};
   }
 
