@@ -64,22 +64,6 @@ def test_step_time_splits_by_operator():
         step_split(steps=0, elapsed_s=0.0, linear_s=0.0, attention_s=0.0)
 
 
-def test_cpp_step_counts_the_steps_it_runs_while_timing(gqa, monkeypatch):
-    """The C++ decode step counts the steps it ran since its timing was turned on, none while it
-    is off, and starts again from zero. Its timing runs on a counter here (no clock is read)."""
-    monkeypatch.setenv("LOOM_ENFORCE_EAGER", "0")  # the C++ step comes with the compiled decode graphs
-    run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
-    decode_step = run.engine.runner.decode_step
-    assert decode_step is not None and decode_step.max_batch >= 2
-    run.prefill()
-    decode_step.time_kernels(True, counter=True)
-    assert run.decode_steps() == 5 and decode_step.kernel_seconds()[2] == 5
-    decode_step.time_kernels(False)
-    run.prefill()
-    run.decode_steps()
-    assert decode_step.kernel_seconds() == (0.0, 0.0, 0)
-
-
 def test_a_row_splits_its_step_by_its_own_runs_only_when_each_has_a_split():
     """loom_result: where each of the rates' runs carries its own split, the row's is their median
     (an untimed first run before them does not count); where one has none, a profiled run's."""

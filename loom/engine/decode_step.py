@@ -30,7 +30,6 @@ from loom.quant.linear import WeightOnlyLinear
 logger = logging.getLogger(__name__)
 
 _KINDS = {"panel": 0, "int8": 1, "int4": 2}  # decode_step.cpp's Linear::Kind
-_TIMING = {"off": 0, "steady_clock": 1, "counter": 2}  # decode_step.cpp's DecodeStep::Timing
 
 
 def _own_until(plan: Plan) -> float:
@@ -111,12 +110,11 @@ class DecodeStep:
     def serves(self, meta: AttentionMetadata) -> bool:
         return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
 
-    def time_kernels(self, on: bool, counter: bool = False) -> None:
+    def time_kernels(self, on: bool) -> None:
         """Starts (or stops) adding up the time the steps spend in the linear layers (the LM head
         among them) and in attention, from zero (`kernel_seconds`): a benchmark's split of the
-        steps it times. With `counter`, each reading of the clock is a millisecond after the last
-        instead (a test's fixed figures)."""
-        self.step.set_timing(_TIMING["off" if not on else "counter" if counter else "steady_clock"])
+        steps it times."""
+        self.step.set_timing(on)
 
     def kernel_seconds(self) -> tuple[float, float, int]:
         """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""

@@ -279,12 +279,10 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<Linear> linears;
   std::vector<Layer> layers;
   // While timing: seconds in the linear layers and in attention, and steps run, since
-  // set_timing turned it on, for a benchmark to split the steps it times. Timing reads the steady
-  // clock (kSteadyClock) or a counter a millisecond a reading (kCounter: the fixed figures of a
-  // test, whose measurements' clock is such a counter); off, each call pays a branch.
-  enum Timing : int64_t { kOff = 0, kSteadyClock = 1, kCounter = 2 };
-  int64_t timing = kOff;
-  double linear_s = 0, attention_s = 0, counter_s = 0;
+  // set_timing turned it on, for a benchmark to split the steps it times (two steady-clock
+  // readings a call); off, each call pays a branch.
+  bool timing = false;
+  double linear_s = 0, attention_s = 0;
   int64_t timed_steps = 0;
 
   DecodeStep(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t num_heads,
@@ -307,10 +305,9 @@ struct DecodeStep : torch::CustomClassHolder {
     layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools)});
   }
 
-  void set_timing(int64_t mode) {
-    TORCH_CHECK(mode >= kOff && mode <= kCounter, "DecodeStep: unknown timing mode ", mode);
-    timing = mode;
-    linear_s = attention_s = counter_s = 0;
+  void set_timing(bool on) {
+    timing = on;
+    linear_s = attention_s = 0;
     timed_steps = 0;
   }
 
@@ -333,7 +330,7 @@ struct DecodeStep : torch::CustomClassHolder {
       TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
       TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
     }
-    timed_steps += timing != kOff;
+    timed_steps += timing;
     at::Tensor logits;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
         AT_DISPATCH_CASE(at::kFloat, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
@@ -366,13 +363,12 @@ struct DecodeStep : torch::CustomClassHolder {
     auto over_rows = [B](int64_t width, const auto& f) {
       at::parallel_for(0, B, std::max<int64_t>(1, kElementsPerTask / width), f);
     };
-    auto now = [this] {
-      if (timing == kCounter) return counter_s += 1e-3;
+    auto now = [] {
       return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
     };
     // f(), its time added to `total` while timing.
     auto time_into = [&](double& total, const auto& f) {
-      if (timing == kOff) return f();
+      if (!timing) return f();
       const double start = now();
       at::Tensor result = f();
       total += now() - start;
