@@ -52,14 +52,15 @@ def pause(seconds: float) -> None:
 
 
 def build_hf_model(out_dir: Path, name: str, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,
-                   num_layers: int = 2, max_positions: int = 512, std: float = 0.2):
+                   num_layers: int = 2, max_positions: int = 512, std: float = 0.2,
+                   intermediate_size: int | None = None):
     """Saves a random model; a larger init std than usual makes the logits peaked, so greedy
     comparisons test the arithmetic rather than near-ties."""
     import transformers
 
     cls_name, kwargs = MODEL_SPECS[name]
     config = getattr(transformers, cls_name)(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, max_position_embeddings=max_positions, initializer_range=std,
         bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)

@@ -70,10 +70,12 @@ def test_decode_step_serves_the_llama_family(hf_models, both_paths, name):
     assert both_paths and all(torch.equal(ours, graphs) for ours, graphs in both_paths)
 
 
-def test_decode_step_sums_a_norm_with_a_partial_vector_as_the_graph_does(tmp_path, both_paths):
-    """A hidden size of 80: two full vectors of 32 bf16 lanes and 16 lanes more."""
-    build_hf_model(tmp_path, "llama_gqa", hidden_size=80)
-    generate(tmp_path, False, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_computes_partial_vectors_as_the_graph_does(tmp_path, both_paths, dtype):
+    """A hidden size of 80 (a norm's sum: two full vectors of 32 bf16 lanes and 16 lanes more) and
+    an intermediate size of 168 (SwiGLU: ten vectors of 16 and 8 lanes more)."""
+    build_hf_model(tmp_path, "llama_gqa", hidden_size=80, intermediate_size=168)
+    generate(tmp_path, False, dtype=dtype)
     assert both_paths and all(torch.equal(ours, graphs) for ours, graphs in both_paths)
 
 

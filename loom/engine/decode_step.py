@@ -69,13 +69,13 @@ class DecodeStep:
     that `step.serves(meta)`."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int) -> None:
-        load_kernels()
+        kernels = load_kernels()
         first = model.layers[0].self_attn
         cfg = model.config
         linears = _linears(model)
         # The largest batch every layer runs on Loom's own kernels.
         self.max_batch = min(max_batch, *(_own_until(m.plan) for m in linears))
-        self.step = torch.classes.loom.DecodeStep(
+        self.step = kernels.DecodeStep(
             model.embed_tokens.weight, model.norm.weight, first.rotary.cos, first.rotary.sin, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, model.norm.eps, first.attn.scale)
         dtype = model.embed_tokens.weight.dtype

@@ -15,7 +15,8 @@ eager calls cost no Python.
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_isa              which vector path those kernels were built with (AVX-512 BF16, AVX2)
   DecodeStep              a Llama-family model's whole decode step in one call, over the
-                          kernels above (a class: `torch.classes.loom.DecodeStep`; decode_step.cpp)
+                          kernels above (a Python class of the module `load_kernels` returns;
+                          decode_step.cpp)
   shm_open_group, shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_all_to_all  the
                           collectives between the processes of one machine, through shared
                           memory (shm_all_reduce.cpp), for parallel ranks; the all-to-all
@@ -29,6 +30,7 @@ import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,21 +40,23 @@ SOURCES = ("paged_attention.cpp", "linear.cpp", "decode_step.cpp", "shm_all_redu
 
 
 @functools.cache
-def load_kernels() -> None:
-    """Builds or loads the kernels; afterwards `torch.ops.loom.<name>` exist."""
+def load_kernels() -> ModuleType:
+    """Builds or loads the kernels; afterwards `torch.ops.loom.<name>` exist. Returns the
+    library's Python module (its classes)."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     here = Path(__file__).parent
     with exclusive_build(Path(_get_build_directory("loom_kernels", verbose=False))):
         try:
-            load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=False,
-                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+            module = load(name="loom_kernels", sources=[str(here / s) for s in SOURCES], is_python_module=True,
+                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
         except Exception as e:  # the message names the missing compiler or header
             raise RuntimeError(
                 f"could not build Loom's C++ kernels ({e}); install a C++ compiler and ninja, "
                 "or run with attention_backend='torch' and without quantization"
             ) from e
     _register_fakes()
+    return module
 
 
 @contextlib.contextmanager

@@ -18,8 +18,7 @@
 // multiply-adds, true divisions and square roots), SiLU's exponential is the one ATen's and
 // inductor's vector code calls (SLEEF's), and a norm's sum of squares is added in the order of
 // inductor's vectorized reduction.
-#include <torch/custom_class.h>
-#include <torch/library.h>
+#include <torch/extension.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -37,6 +36,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // The kernels this step calls (linear.cpp, paged_attention.cpp; the same library).
@@ -51,6 +51,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& q, c
                                                           const std::optional<at::Tensor>& value_scales);
 void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& k_in, const at::Tensor& v_in,
               const at::Tensor& slots_in);
+void write_kv_rows(void* key_pool, void* value_pool, const void* k, int64_t ldk, const void* v, int64_t ldv,
+                   const int64_t* slots, int64_t tokens, int64_t kvh, int64_t head_dim, int64_t bs,
+                   int64_t element_bytes);
 std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in);
 
 // SLEEF's exponentials, exported by libtorch_cpu.
@@ -86,6 +89,11 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;
   std::vector<at::Tensor> pools;  // keys, values and, for an int8 pool, key and value scales
+  // The key and value pools' elements, held as addresses too: a step writes its new keys and
+  // values through them without reading the pools' tensors, whose metadata the weights streamed
+  // since the last step have pushed out of the caches.
+  void* keys;
+  void* values;
 };
 
 }  // namespace
@@ -181,13 +189,38 @@ void rotate(const T* src, int64_t ld, int64_t rows, int64_t heads, int64_t D, co
   }
 }
 
-// e[0:n] = e^e[0:n], n <= 16, as ATen's vector code computes it: SLEEF's (within 1 ulp) a vector
-// at a time where this build has one.
-inline void exp_in_place(float* e, int n) {
 #if defined(__AVX512F__)
-  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  _mm512_mask_storeu_ps(e, live, Sleef_expf16_u10(_mm512_maskz_loadu_ps(live, e)));
-#elif defined(__AVX2__)
+// The first n (<= 16) elements at p, widened to fp32 lanes (the others zero).
+inline __m512 load16(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 n) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The lanes rounded to T as narrow<T> rounds them, kept as fp32 (for bf16: the low 16 bits zero).
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// The first n lanes of x, rounded to T, to p.
+inline void store16(float* p, __m512 x, __mmask16 n) { _mm512_mask_storeu_ps(p, n, x); }
+inline void store16(c10::BFloat16* p, __m512 x, __mmask16 n) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round16<c10::BFloat16>(x)), 16);
+  _mm256_mask_storeu_epi16(p, n, _mm512_cvtepi32_epi16(high));
+}
+#else
+// e[0:n] = e^e[0:n], n <= 16, as ATen's vector code computes it: SLEEF's (within 1 ulp) a vector
+// at a time where this build has one (with AVX-512, silu_and_mul calls SLEEF itself).
+inline void exp_in_place(float* e, int n) {
+#if defined(__AVX2__)
   float lanes[16] = {};
   for (int j = 0; j < n; ++j) lanes[j] = e[j];
   _mm256_storeu_ps(lanes, Sleef_expf8_u10(_mm256_loadu_ps(lanes)));
@@ -197,24 +230,39 @@ inline void exp_in_place(float* e, int n) {
   for (int j = 0; j < n; ++j) e[j] = std::exp(e[j]);
 #endif
 }
+#endif
 
 // out[b] = round(silu(gate)) * up over gate_up [rows, 2I] (gate then up), as
 // loom.layers.activation.silu_and_mul: silu(x) = x / (1 + e^-x), 16 inputs at a time.
 template <typename T>
 void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
-  float e[16];
   for (int64_t b = 0; b < rows; ++b) {
     const T* g = gate_up + b * 2 * I;
     for (int64_t i0 = 0; i0 < I; i0 += 16) {
       const int n = I - i0 < 16 ? static_cast<int>(I - i0) : 16;
+#if defined(__AVX512F__)
+      const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 x = load16(g + i0, live), up = load16(g + I + i0, live);
+      const __m512 minus_x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(minus_x)));
+      store16(out + b * I + i0, _mm512_mul_ps(round16<T>(silu), up), live);
+#else
+      float e[16];
       for (int j = 0; j < n; ++j) e[j] = -widen(g[i0 + j]);
       exp_in_place(e, n);
       for (int j = 0; j < n; ++j) {
         const float x = widen(g[i0 + j]);
         out[b * I + i0 + j] = narrow<T>(widen(narrow<T>(x / (1.f + e[j]))) * widen(g[I + i0 + j]));
       }
+#endif
     }
   }
+}
+
+// out[0:n] = x[0:n] in fp32.
+template <typename T>
+void widen_into(const T* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(x[i]);
 }
 
 // Whether f is a NaN, by its bits (calls that inline into -ffast-math code may have std::isnan
@@ -272,12 +320,13 @@ constexpr int64_t kElementsPerTask = 16384;
 
 // Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer;
 // after the last layer, add_linear once more: the LM head); run() is a step of decode rows.
-struct DecodeStep : torch::CustomClassHolder {
+struct DecodeStep {
   at::Tensor embed, final_norm, cos, sin;
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   std::vector<Linear> linears;
   std::vector<Layer> layers;
+  std::vector<int64_t> pool_shape;  // every layer's key pool's: [blocks, KVH, D, BS]
   // While timing: seconds in the linear layers and in attention, and steps run, since
   // set_timing turned it on, for a benchmark to split the steps it times (two steady-clock
   // readings a call); off, each call pays a branch.
@@ -302,7 +351,16 @@ struct DecodeStep : torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> pools) {
     TORCH_CHECK(linears.size() == 4 * (layers.size() + 1), "DecodeStep: add four linears before each layer");
     TORCH_CHECK(pools.size() == 2 || pools.size() == 4, "DecodeStep: keys and values, and an int8 pool's scales");
-    layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools)});
+    const at::Tensor& key_pool = pools[0];
+    if (layers.empty()) pool_shape = key_pool.sizes().vec();
+    TORCH_CHECK(key_pool.sizes() == pool_shape && pools[1].numel() == key_pool.numel() && key_pool.is_contiguous() &&
+                    pools[1].is_contiguous() && key_pool.size(1) == num_kv_heads && key_pool.size(2) == head_dim,
+                "DecodeStep: every layer's pools contiguous, keys [blocks, KVH, D, BS] of one shape");
+    TORCH_CHECK(key_pool.scalar_type() == (pools.size() == 4 ? at::kChar : embed.scalar_type()),
+                "DecodeStep: pools of the model's dtype, or int8 with their scales");
+    void* keys = key_pool.data_ptr();
+    void* values = pools[1].data_ptr();
+    layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools), keys, values});
   }
 
   void set_timing(bool on) {
@@ -326,35 +384,63 @@ struct DecodeStep : torch::CustomClassHolder {
     const int64_t B = ids.numel(), H = embed.size(1), vocab = embed.size(0), max_pos = cos.size(0);
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
+                "DecodeStep: slots [B] int64");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t pool_slots = pool_shape[0] * pool_shape[3];
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
       TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
+      TORCH_CHECK(0 <= slot[b] && slot[b] < pool_slots, "DecodeStep: slot ", slot[b], " outside the pool of ", pool_slots);
     }
     timed_steps += timing;
-    at::Tensor logits;
+    std::tuple<at::Tensor, at::Tensor> out;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
-        AT_DISPATCH_CASE(at::kFloat, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] { logits = forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens); }));
-    at::Tensor argmax = at::empty({B}, ids.options());
-    const int64_t V = logits.size(1);
-    const float* lp = logits.data_ptr<float>();
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+          out = logits_and_argmax<scalar_t>(forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens));
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+          out = logits_and_argmax<scalar_t>(forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens));
+        }));
+    return out;
+  }
+
+ private:
+  // The LM head's output [B, vocab] in fp32 (as compute_logits gives it) and each row's argmax, a
+  // row at a time while it is in cache.
+  template <typename T>
+  static std::tuple<at::Tensor, at::Tensor> logits_and_argmax(const at::Tensor& head) {
+    TORCH_INTERNAL_ASSERT(head.is_contiguous());
+    const int64_t B = head.size(0), V = head.size(1);
+    at::Tensor logits = std::is_same_v<T, float> ? head : at::empty({B, V}, head.options().dtype(at::kFloat));
+    at::Tensor argmax = at::empty({B}, head.options().dtype(at::kLong));
+    const T* hp = head.data_ptr<T>();
+    float* lp = logits.data_ptr<float>();
     int64_t* ap = argmax.data_ptr<int64_t>();
     at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {  // four rows' scans outweigh a fork
-      for (int64_t b = b0; b < b1; ++b) ap[b] = first_argmax(lp + b * V, V);
+      for (int64_t b = b0; b < b1; ++b) {
+        if constexpr (!std::is_same_v<T, float>) widen_into(hp + b * V, V, lp + b * V);
+        ap[b] = first_argmax(lp + b * V, V);
+      }
     });
     return {logits, argmax};
   }
 
- private:
   template <typename T>
   at::Tensor forward(int64_t B, int64_t H, const int64_t* id, const int64_t* pos, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& context_lens) {
+    const int64_t* slot = slots.data_ptr<int64_t>();
     const auto options = embed.options();
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     at::Tensor x = at::empty({B, H}, options), normed = at::empty({B, H}, options);
     at::Tensor q = at::empty({B, num_heads, head_dim}, options), k = at::empty({B, num_kv_heads, head_dim}, options);
+    const int64_t I = linears[2].out_features / 2;
+    at::Tensor act = at::empty({B, I}, options);
     T* xp = x.data_ptr<T>();
     T* np = normed.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    T* actp = act.data_ptr<T>();
     const T* table = embed.data_ptr<T>();
     for (int64_t b = 0; b < B; ++b) std::copy(table + id[b] * H, table + (id[b] + 1) * H, xp + b * H);
     const float* cp = cos.data_ptr<float>();
@@ -389,21 +475,21 @@ struct DecodeStep : torch::CustomClassHolder {
       const T* qkvp = qkv.data_ptr<T>();
       const int64_t ld = qkv.size(1);
       over_rows(q_size + kv_size, [&](int64_t b0, int64_t b1) {
-        rotate(qkvp + b0 * ld, ld, b1 - b0, num_heads, head_dim, pos + b0, cp, sp, q.data_ptr<T>() + b0 * q_size);
-        rotate(qkvp + b0 * ld + q_size, ld, b1 - b0, num_kv_heads, head_dim, pos + b0, cp, sp,
-               k.data_ptr<T>() + b0 * kv_size);
+        rotate(qkvp + b0 * ld, ld, b1 - b0, num_heads, head_dim, pos + b0, cp, sp, qp + b0 * q_size);
+        rotate(qkvp + b0 * ld + q_size, ld, b1 - b0, num_kv_heads, head_dim, pos + b0, cp, sp, kp + b0 * kv_size);
       });
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
       std::optional<at::Tensor> key_scales, value_scales;
       if (layer.pools.size() == 4) {  // an int8 pool: rows and their scales
+        const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
         auto [kq, ks] = quantize_kv(k);
         auto [vq, vs] = quantize_kv(v);
         write_kv(layer.pools[0], layer.pools[1], kq, vq, slots);
         write_kv(layer.pools[2], layer.pools[3], ks, vs, slots);
         key_scales = layer.pools[2];
         value_scales = layer.pools[3];
-      } else {
-        write_kv(layer.pools[0], layer.pools[1], k, v, slots);
+      } else {  // slots checked in run()
+        write_kv_rows(layer.keys, layer.values, kp, kv_size, qkvp + q_size + kv_size, ld, slot, B, num_kv_heads,
+                      head_dim, pool_shape[3], sizeof(T));
       }
       const at::Tensor attn = time_into(attention_s, [&] {
         RECORD_FUNCTION("loom::paged_decode_attention", std::vector<c10::IValue>());
@@ -413,24 +499,27 @@ struct DecodeStep : torch::CustomClassHolder {
       const at::Tensor o = linear(lin[1], attn.view({B, q_size}));
       add_and_norm(o.data_ptr<T>(), layer.post_norm);
       const at::Tensor gate_up = linear(lin[2], normed);
-      const int64_t I = gate_up.size(1) / 2;
-      at::Tensor act = at::empty({B, I}, options);
+      const T* gate_up_p = gate_up.data_ptr<T>();
       over_rows(2 * I, [&](int64_t b0, int64_t b1) {
-        silu_and_mul(gate_up.data_ptr<T>() + b0 * 2 * I, b1 - b0, I, act.data_ptr<T>() + b0 * I);
+        silu_and_mul(gate_up_p + b0 * 2 * I, b1 - b0, I, actp + b0 * I);
       });
       const at::Tensor down = linear(lin[3], act);
       add_and_norm(down.data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
     }
-    return linear(linears.back(), normed).to(at::kFloat).contiguous();  // the LM head, as compute_logits
+    return linear(linears.back(), normed);  // the LM head
   }
 };
 
-TORCH_LIBRARY_FRAGMENT(loom, m) {
-  m.class_<DecodeStep>("DecodeStep")
-      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
+// A Python class of the library's module, not a torch class: a call through pybind11 converts
+// five tensors, where a torch class's method goes through TorchScript's schema matching and
+// stack (measured at batch 1: about 0.1 ms a step with the caches cold from the weights, 15 us
+// warm). The step runs without the GIL, as torch's operators do.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeStep>(m, "DecodeStep")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("add_linear", &DecodeStep::add_linear)
       .def("add_layer", &DecodeStep::add_layer)
       .def("set_timing", &DecodeStep::set_timing)
       .def("timings", &DecodeStep::timings)
-      .def("run", &DecodeStep::run);
+      .def("run", &DecodeStep::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1609,9 +1609,10 @@ at::Tensor drop_head_entries(at::Tensor& positions, at::Tensor& scores, const at
   return out;
 }
 
-// Stores a step's new keys and values k, v [T, KVH, D] at their slots [T] (int64) of one layer's
-// pools in the layouts above. Threads take runs of tokens: within a block the transposed keys of
-// consecutive tokens share cache lines, so a run writes them together.
+// Stores a step's new keys and values at their slots [T] of one layer's pools (the layouts
+// above), from rows k and v of KVH * D elements, each token's row `ldk` / `ldv` elements after the
+// last. Threads take runs of tokens: within a block the transposed keys of consecutive tokens
+// share cache lines, so a run writes them together. The slots are the caller's to check.
 template <typename E>  // E: an integer type of the element's size (elements are only copied)
 void write_kv_impl(E* kc, E* vc, const E* k, const E* v, const int64_t* slots, int64_t tokens, int64_t kvh,
                    int64_t head_dim, int64_t bs, int64_t ldk, int64_t ldv) {
@@ -1627,6 +1628,16 @@ void write_kv_impl(E* kc, E* vc, const E* k, const E* v, const int64_t* slots, i
                   vc + ((block * kvh + h) * bs + off) * head_dim);
       }
     }
+  });
+}
+
+void write_kv_rows(void* key_pool, void* value_pool, const void* k, int64_t ldk, const void* v, int64_t ldv,
+                   const int64_t* slots, int64_t tokens, int64_t kvh, int64_t head_dim, int64_t bs,
+                   int64_t element_bytes) {
+  with_element_bytes(element_bytes, "write_kv", [&](auto element_tag) {
+    using E = decltype(element_tag);
+    write_kv_impl<E>(static_cast<E*>(key_pool), static_cast<E*>(value_pool), static_cast<const E*>(k),
+                     static_cast<const E*>(v), slots, tokens, kvh, head_dim, bs, ldk, ldv);
   });
 }
 
@@ -1648,12 +1659,8 @@ void write_kv(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(0 <= sl[t] && sl[t] < blocks * bs, "slot ", sl[t], " is outside the pool of ", blocks * bs);
-  with_element_bytes(key_cache.element_size(), "write_kv", [&](auto element_tag) {
-    using E = decltype(element_tag);
-    write_kv_impl<E>(static_cast<E*>(key_cache.data_ptr()), static_cast<E*>(value_cache.data_ptr()),
-                     static_cast<const E*>(k.data_ptr()), static_cast<const E*>(v.data_ptr()), sl, tokens, kvh,
-                     head_dim, bs, k.stride(0), v.stride(0));
-  });
+  write_kv_rows(key_cache.data_ptr(), value_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                sl, tokens, kvh, head_dim, bs, key_cache.element_size());
 }
 
 // Each token's kv head of x [T, KVH, D] as int8 times one scale, for an int8 pool: scale =
