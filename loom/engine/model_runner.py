@@ -9,6 +9,7 @@ logprobs also gets the logits of its prompt rows.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,19 @@ if TYPE_CHECKING:
 
 # Decode batch sizes compiled at load: 1 has a graph of its own, 2 makes the one for all larger.
 DECODE_GRAPH_BATCHES = (1, 2)
+
+
+_TYPECODES = {torch.long: "q", torch.int32: "i"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a 1-D tensor of `dtype` (int64 or int32) on `device`. Built over an array's
+    buffer: a third of what `torch.tensor` costs on a list (1.0 against 3.2 us warm), and a
+    step builds five."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+    return t if device.type == "cpu" else t.to(device)
 
 
 @dataclass
@@ -323,19 +337,18 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sampled_seqs.append(i)
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+        meta = AttentionMetadata(slot_mapping=int_tensor(slots, torch.long, self.device),
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
         if batch.num_decodes:
             decodes = batch.seqs[: batch.num_decodes]
             width = max(len(s.kv.block_ids) for s in decodes)
-            meta.decode_block_tables = torch.tensor([s.kv.block_ids + [0] * (width - len(s.kv.block_ids))
-                                                     for s in decodes], dtype=torch.int32, device=self.device)
-            meta.decode_context_lens = torch.tensor([s.kv.num_tokens + 1 for s in decodes],
-                                                    dtype=torch.int32, device=self.device)
+            padded = [b for s in decodes for b in s.kv.block_ids + [0] * (width - len(s.kv.block_ids))]
+            meta.decode_block_tables = int_tensor(padded, torch.int32, self.device).view(len(decodes), width)
+            meta.decode_context_lens = int_tensor([s.kv.num_tokens + 1 for s in decodes], torch.int32, self.device)
             meta.decode_scores = self._decode_scores(decodes)
         inputs = StepInputs(batch.moves, batch.head_moves, batch.swap_out, batch.swap_in, batch.copies,
-                            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows,
+                            int_tensor(input_ids, torch.long, self.device),
+                            int_tensor(positions, torch.long, self.device), meta, sample_rows,
                             prompt_logit_rows)
         return inputs, sampled_seqs, prompt_seqs
 
