@@ -58,7 +58,7 @@ def test_greedy_takes_a_given_argmax_only_for_logits_left_as_they_came():
     penalty, banned token or logits processor changes its logits; else the sampler scans."""
     logits = torch.zeros(3, 10)
     logits[:, 4] = 1.0
-    given = torch.tensor([6, 7, 8])  # not the logits' argmax: shows which one was taken
+    given = [6, 7, 8]  # not the logits' argmax: shows which one was taken
     greedy = SamplingParams(temperature=0)
     assert [r.token_ids for r in Sampler(0)(logits, [row(greedy)] * 3, given)] == [[6], [7], [8]]
     mixed = [row(greedy), row(SamplingParams(temperature=1.0, seed=3)), row(greedy)]
@@ -67,6 +67,9 @@ def test_greedy_takes_a_given_argmax_only_for_logits_left_as_they_came():
     penalized = SamplingParams(temperature=0, presence_penalty=2.0)
     changed = [row(greedy), row(greedy, banned=[4]), row(penalized, output=[4])]
     assert [r.token_ids for r in Sampler(0)(logits, changed, given)] == [[4], [0], [0]]
+    # Rows that ask for logprobs take the argmax given, and get their logprobs.
+    with_logprobs = Sampler(0)(logits, [row(SamplingParams(temperature=0, logprobs=1))] * 3, given)
+    assert [(r.token_ids, sorted(r.logprobs[0])) for r in with_logprobs] == [([t], [4, t]) for t in given]
 
 
 def test_banned_tokens_masked():

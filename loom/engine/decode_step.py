@@ -121,7 +121,7 @@ class DecodeStep:
         return self.step.timings()
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
         """The step's logits [B, vocab] float32 (as `compute_logits` gives them) and each row's
-        argmax [B] (its first largest logit)."""
+        argmax (its first largest logit)."""
         return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)

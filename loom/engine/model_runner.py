@@ -97,6 +97,9 @@ class ModelRunner:
                              kernels=config.attention_backend == "cpp", kv_cache_dtype=config.cache.kv_cache_dtype)
         self.swap_space = SwapSpace(self.cache, num_swap_blocks) if num_swap_blocks else None
         self.sampler = Sampler(config.seed, self.device)
+        # One instance entered at every step: as a decorator it would build a new one at every call
+        # (three Python calls more, in the step's Python that runs cold after the weights' stream).
+        self._inference_mode = torch.inference_mode()
         self.seed = config.seed
         self.kv_heads = (m.num_layers, m.num_kv_heads)
         self.stop_checker = stop_checker
@@ -213,9 +216,12 @@ class ModelRunner:
                             rows=torch.tensor(addresses, device=self.device),
                             newest=torch.tensor(newest, device=self.device), states=states)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         """Runs one step (on rank 0, the driver): a result per scheduled sequence."""
+        with self._inference_mode:
+            return self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> list[SeqStepOutput]:
         inputs, sampled_seqs, prompt_seqs = self._prepare(batch)
         try:
             if self.parallel.world_size > 1:
@@ -275,7 +281,7 @@ class ModelRunner:
                                                      inputs.input_ids.numel(), logit_rows, rows_per_rank, items):
             self.collectives.add(kind, calls, nbytes)
 
-    def _run(self, inputs: StepInputs) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _run(self, inputs: StepInputs) -> tuple[list[torch.Tensor], list[int] | None]:
         """The step's model work, the same on every rank: the cache's block operations, the
         forward, and the logits of the sampled rows and of each prompt-logprob chunk; where the
         C++ decode step ran it, each sampled row's argmax too (else None)."""

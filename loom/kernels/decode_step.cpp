@@ -372,9 +372,10 @@ struct DecodeStep {
   std::tuple<double, double, int64_t> timings() const { return {linear_s, attention_s, timed_steps}; }
 
   // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
-  // row's context with its new token). Returns the logits [B, vocab] fp32 and each row's argmax
-  // [B] int64: the first largest logit (a NaN counting as the largest, as numpy's argmax has it).
-  std::tuple<at::Tensor, at::Tensor> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
+  // row's context with its new token). Returns the logits [B, vocab] fp32 and each row's argmax:
+  // the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as a list
+  // (what the sampler takes: a tensor's tolist() costs more, cold, than the list's conversion).
+  std::tuple<at::Tensor, std::vector<int64_t>> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
                                          at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&
                     positions.is_contiguous() && ids.numel() == positions.numel(),
@@ -394,7 +395,7 @@ struct DecodeStep {
       TORCH_CHECK(0 <= slot[b] && slot[b] < pool_slots, "DecodeStep: slot ", slot[b], " outside the pool of ", pool_slots);
     }
     timed_steps += timing;
-    std::tuple<at::Tensor, at::Tensor> out;
+    std::tuple<at::Tensor, std::vector<int64_t>> out;
     AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
         AT_DISPATCH_CASE(at::kFloat, [&] {
           out = logits_and_argmax<scalar_t>(forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens));
@@ -409,14 +410,14 @@ struct DecodeStep {
   // The LM head's output [B, vocab] in fp32 (as compute_logits gives it) and each row's argmax, a
   // row at a time while it is in cache.
   template <typename T>
-  static std::tuple<at::Tensor, at::Tensor> logits_and_argmax(const at::Tensor& head) {
+  static std::tuple<at::Tensor, std::vector<int64_t>> logits_and_argmax(const at::Tensor& head) {
     TORCH_INTERNAL_ASSERT(head.is_contiguous());
     const int64_t B = head.size(0), V = head.size(1);
     at::Tensor logits = std::is_same_v<T, float> ? head : at::empty({B, V}, head.options().dtype(at::kFloat));
-    at::Tensor argmax = at::empty({B}, head.options().dtype(at::kLong));
+    std::vector<int64_t> argmax(B);
     const T* hp = head.data_ptr<T>();
     float* lp = logits.data_ptr<float>();
-    int64_t* ap = argmax.data_ptr<int64_t>();
+    int64_t* ap = argmax.data();
     at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {  // four rows' scans outweigh a fork
       for (int64_t b = b0; b < b1; ++b) {
         if constexpr (!std::is_same_v<T, float>) widen_into(hp + b * V, V, lp + b * V);

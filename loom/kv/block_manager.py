@@ -197,6 +197,9 @@ class BlockManager:
         """Makes room for `num_new_tokens` more tokens (after taking `prefix_hits`, at
         admission, as already stored tokens). Returns False, changing nothing, if the pool
         cannot hold them. Calling it again for the same tokens changes nothing."""
+        if (not prefix_hits and slots.num_tokens + num_new_tokens <= len(slots.block_ids) * self.block_size
+                and not self._needs_copy_on_write(slots, num_new_tokens)):
+            return True  # room in the blocks it holds: most decode steps
         hits = prefix_hits or []
         shard = slots.shard
         if self.by_sequence and not slots.block_ids:  # a new map: its prefix's shard, or the roomiest

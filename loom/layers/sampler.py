@@ -31,6 +31,14 @@ class SampleRow:
     def num_samples(self) -> int:
         return len(self.generators)
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Whether the row's token is its logits' argmax as they came from the model: greedy, with
+        nothing that changes its logits and no logprobs or proposals to compute."""
+        p = self.params
+        return (p.greedy and not p.has_penalties and not self.banned_token_ids and not p.logits_processors
+                and p.logprobs is None and not self.num_proposals)
+
 
 @dataclass
 class SampleResult:
@@ -52,10 +60,12 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
-                 argmax: torch.Tensor | None = None) -> list[SampleResult]:
-        """logits [R, V] float32, one row per SampleRow -> one result per row. `argmax` [R]: each
+                 argmax: list[int] | None = None) -> list[SampleResult]:
+        """logits [R, V] float32, one row per SampleRow -> one result per row. `argmax`: each
         row's first largest logit, where the caller has it (greedy rows whose logits no penalty
         or processor changes take it)."""
+        if argmax is not None and all(r.takes_argmax for r in rows):  # a greedy batch's usual step
+            return [SampleResult(token_ids=[token]) for token in argmax]
         needs_logprobs = any(r.params.logprobs is not None or r.num_proposals for r in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if needs_logprobs else None
         raw = logits
@@ -68,7 +78,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy and not r.num_proposals]
         if greedy:
             if argmax is not None and logits is raw:  # the logits as they came: their argmax holds
-                chosen = argmax.tolist() if len(greedy) == len(rows) else argmax[greedy].tolist()
+                chosen = [argmax[i] for i in greedy]
             else:
                 chosen = first_argmax(logits if len(greedy) == len(rows) else logits[greedy])
             for i, tok in zip(greedy, chosen):
