@@ -373,8 +373,8 @@ struct DecodeStep {
 
   // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
   // row's context with its new token). Returns the logits [B, vocab] fp32 and each row's argmax:
-  // the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as a list
-  // (what the sampler takes: a tensor's tolist() costs more, cold, than the list's conversion).
+  // the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list
+  // the sampler takes (it took a tensor's tolist() at every step).
   std::tuple<at::Tensor, std::vector<int64_t>> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
                                          at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&
