@@ -97,12 +97,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings (resolved by EngineConfig)
     preemption_mode: str = "recompute"  # or "swap": blocks move to the second tier (swap_space)
+    # Decode steps run at once, where every row takes its argmax and nothing waits to be admitted:
+    # the engine's per-step Python is paid once for them; their tokens arrive together.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps: must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
 

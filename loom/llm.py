@@ -37,7 +37,7 @@ class LLM:
                  kv_policy: str = "full", kv_budget: int | float | None = None,
                  kv_recent_ratio: float = 0.3, tensor_parallel_size: int = 1, kv_parallel_size: int = 1,
                  attention_sharding: str = "heads", all_reduce: str = "auto", ffn_layout: str = "1d",
-                 hop_b: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 hop_b: bool = False, kv_cache_dtype: str = "auto", num_scheduler_steps: int = 1) -> None:
         """On several ranks (tensor_parallel_size x kv_parallel_size > 1, under torchrun), only
         rank 0 returns: the other ranks run the steps rank 0 sends them, then exit the process
         (status 0) when rank 0 finishes."""
@@ -51,7 +51,8 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      max_model_len=max_model_len or 0, preemption_mode=preemption_mode),
+                                      max_model_len=max_model_len or 0, preemption_mode=preemption_mode,
+                                      num_scheduler_steps=num_scheduler_steps),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, kv_parallel_size=kv_parallel_size,
                                     attention_sharding=attention_sharding, all_reduce=all_reduce,
                                     ffn_layout=ffn_layout, hop_b=hop_b),

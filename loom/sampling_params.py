@@ -128,3 +128,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def takes_argmax(self) -> bool:
+        """Whether a token is the argmax of the logits as the model gives them (once min_tokens no
+        longer masks stop ids): greedy, with no penalty, processor or logprobs."""
+        return self.greedy and not self.has_penalties and not self.logits_processors and self.logprobs is None

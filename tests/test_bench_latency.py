@@ -71,6 +71,7 @@ def test_a_row_splits_its_step_by_its_own_runs_only_when_each_has_a_split():
               {"step": 3, "linear": 3, "attention": 3, "other": 3}]
     profiled = {"step": 9, "linear": 9, "attention": 9, "other": 9}
     run = SimpleNamespace(dtype="bfloat16", quantization=None, symmetric=False, kv_cache_dtype="auto", batch=1,
+                          num_scheduler_steps=1,
                           splits=[None, *splits], breakdown=lambda steps_per_s: profiled)
     row = loom_result(run, [1.0, 1.0, 1.0])
     assert (row["step_split"], row["step_ms"]) == ("timed", splits[1])
@@ -109,14 +110,22 @@ def test_int4_weight_bytes_are_what_the_layers_hold(gqa, symmetric):
     assert weight_bytes(ModelConfig.from_dir(gqa[0]), "bfloat16", "int4", symmetric=symmetric) == held
 
 
-def test_decode_run_decodes_afresh_after_one_prompt_step(gqa):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_decode_run_decodes_afresh_after_one_prompt_step(gqa, monkeypatch, num_scheduler_steps):
     """Each run starts afresh: its prompts in one step, then max_tokens - 1 decode steps to the end
-    (the steps a run's rate counts)."""
-    run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6)
+    (the steps a run's rate counts), also where the engine runs 4 of them at once (2 engine steps)."""
+    if num_scheduler_steps > 1:
+        monkeypatch.setenv("LOOM_ENFORCE_EAGER", "0")  # several steps at once run in the C++ decode step
+    run = LoomDecodeRun(gqa[0], "bfloat16", None, batch=2, prompt_len=8, max_tokens=6,
+                        num_scheduler_steps=num_scheduler_steps)
+    step, engine_steps = run.engine.step, []
+    monkeypatch.setattr(run.engine, "step", lambda: engine_steps.append(1) or step())
     for _ in range(2):
         run.prefill()
         assert all(seq.num_computed_tokens == 8 for seq in run.engine.scheduler.running)
+        del engine_steps[:]
         assert run.decode_steps() == 5
+        assert len(engine_steps) == (5 if num_scheduler_steps == 1 else 2)
         assert not run.engine.has_unfinished_requests()
 
 

@@ -3,6 +3,8 @@ model's LM head, bit for bit, its argmax against the sampler's, and against eage
 the tokens it decodes; which models and steps it serves."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import build_hf_model
@@ -13,6 +15,7 @@ from loom.engine.decode_step import DecodeStep
 from loom.kv.attention import DecodeScores
 from loom.layers.sampler import first_argmax
 
+HOUSE = Path(__file__).resolve().parents[1] / "models" / "house"
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 71, 2, 200, 14]}, {"prompt_token_ids": list(range(20, 60))},
            {"prompt_token_ids": [7] * 3}]
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
@@ -155,6 +158,87 @@ def test_a_token_id_outside_the_vocabulary_is_refused(gqa):
     meta = _decode_meta(1)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         step(torch.tensor([10_000]), torch.tensor([0]), meta)
+
+
+def _steps_run(monkeypatch) -> list[int]:
+    """Each scheduled batch's count of decode steps at once, as the scheduler gives them."""
+    from loom.engine.scheduler import Scheduler
+
+    counts, schedule = [], Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: counts.append((batch := schedule(self)).num_steps) or batch)
+    return counts
+
+
+@pytest.mark.parametrize("kwargs", FORMATS[:4:3], ids=FORMAT_IDS[:4:3])
+def test_several_decode_steps_at_once_decode_as_one_at_a_time(hf_models, monkeypatch, kwargs):
+    """Tokens, texts and finish reasons as single steps give them, where rows end between the
+    steps of a batch: length limits that are no multiple of 4, a stop id each row meets early, a
+    stop string; every block freed, the prefix cache's blocks right for a later prompt."""
+    llm = LLM(str(HOUSE), enforce_eager=False, max_num_seqs=4, num_scheduler_steps=4, **kwargs)
+    counts = _steps_run(monkeypatch)
+    prompts = ["ROMEO:", "To be, or not", "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n"]
+
+    def run(steps: int, params: list[SamplingParams]):
+        llm.engine.scheduler.config.num_scheduler_steps = steps
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+    free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
+    first = run(1, free)
+    stops = [SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[tokens[k]], ignore_eos=True)
+             for n, (tokens, _, _), k in zip((30, 9, 21), first, (5, 2, 6))]
+    strings = [SamplingParams(temperature=0, max_tokens=30, stop=[text[7:9]]) for _, text, _ in first]
+    for params in (free, stops, strings):
+        del counts[:]
+        one = run(1, params)
+        assert set(counts) == {1}
+        del counts[:]
+        assert run(4, params) == one
+        assert max(counts) == 4
+    assert {reason for _, _, reason in run(4, stops)} == {reason for _, _, reason in run(4, strings)} == {"stop"}
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+    assert llm.stats().prefix_cache_hits > 0  # later runs found the third prompt's blocks
+
+
+def test_several_decode_steps_at_once_only_where_every_row_takes_its_argmax(gqa, monkeypatch):
+    """Rows that sample, ask for logprobs or mask stop ids until min_tokens decode a step at a
+    time; so does a batch with requests waiting to be admitted."""
+    llm = LLM(str(gqa[0]), enforce_eager=False, max_num_seqs=4, num_scheduler_steps=4)
+    counts = _steps_run(monkeypatch)
+    prompt = PROMPTS[:1]
+    for params in (SamplingParams(temperature=0.8, seed=1, max_tokens=12),
+                   SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=12, min_tokens=12),
+                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)):
+        del counts[:]
+        llm.generate(prompt, params, use_tqdm=False)
+        assert set(counts) == {1}, params
+    llm.engine.scheduler.config.max_num_seqs = 1  # the second request waits while the first decodes
+    del counts[:]
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    waited = counts[:counts.index(4)] if 4 in counts else counts
+    assert len(waited) >= 12 and set(waited) == {1}
+    assert counts.count(4) >= 2  # the second, alone, decodes 4 steps at once
+
+
+def test_several_decode_steps_at_once_through_the_cpp_step(gqa):
+    """`DecodeStep` with num_steps: the argmax of each step as single calls give them."""
+    llm = LLM(str(gqa[0]), enforce_eager=False, max_num_seqs=4)
+    step = llm.engine.runner.decode_step
+    single, token = [], 7
+    for i in range(3):
+        meta = _decode_meta(1)
+        meta.slot_mapping = torch.tensor([i])
+        meta.decode_context_lens = torch.tensor([i + 1], dtype=torch.int32)
+        logits, argmax = step(torch.tensor([token]), torch.tensor([i]), meta)
+        single.append(argmax[0])
+        token = argmax[0]
+    meta = _decode_meta(1)
+    meta.slot_mapping = torch.tensor([0, 1, 2])
+    steps_logits, steps = step(torch.tensor([7]), torch.tensor([0]), meta, 3)
+    assert steps == single and torch.equal(steps_logits, logits)
+    with pytest.raises(RuntimeError, match=r"slots \[steps \* B\]"):
+        step(torch.tensor([7]), torch.tensor([0]), meta, 2)
 
 
 def _decode_meta(batch: int):

@@ -52,12 +52,12 @@ def prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
 
 
 def latency_engine(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
-                   kv_cache_dtype: str = "auto", symmetric: bool = False) -> LLM:
+                   kv_cache_dtype: str = "auto", symmetric: bool = False, num_scheduler_steps: int = 1) -> LLM:
     """The engine `run_loom` times: room for `batch` sequences, and a token budget that takes
     every prompt in one step, so that all the timed steps decode."""
     return LLM(str(model_dir), dtype=dtype, quantization=quantization, symmetric=symmetric,
                max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * prompt_len),
-               kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype)
+               kv_cache_memory=1 << 30, kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=num_scheduler_steps)
 
 
 class LoomDecodeRun:
@@ -70,14 +70,16 @@ class LoomDecodeRun:
     attention's time. Elsewhere (compiled decode graphs) `breakdown` profiles one more run."""
 
     def __init__(self, model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int,
-                 max_tokens: int, kv_cache_dtype: str = "auto", symmetric: bool = False) -> None:
+                 max_tokens: int, kv_cache_dtype: str = "auto", symmetric: bool = False,
+                 num_scheduler_steps: int = 1) -> None:
         # Engines of earlier runs are garbage held by reference cycles: collect them now, or a full
         # collection during the timed steps walks them all (measured: int8 batch 1 ran ~30% slower
         # after four earlier engines in the same process).
         gc.collect()
         self.dtype, self.quantization, self.batch = dtype, quantization, batch
-        self.kv_cache_dtype, self.symmetric = kv_cache_dtype, symmetric
-        llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric)
+        self.kv_cache_dtype, self.symmetric, self.num_scheduler_steps = kv_cache_dtype, symmetric, num_scheduler_steps
+        llm = latency_engine(model_dir, dtype, quantization, batch, prompt_len, kv_cache_dtype, symmetric,
+                             num_scheduler_steps)
         vocab_size = llm.engine.config.model_config.vocab_size
         self.prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch, prompt_len, vocab_size)]
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -87,18 +89,18 @@ class LoomDecodeRun:
 
     def prefill(self) -> None:
         """The requests in and their prompts computed: every later step decodes."""
-        for p in self.prompts:
-            self.engine.add_request(p, self.params)
+        self.request_ids = [self.engine.add_request(p, self.params) for p in self.prompts]
         self.engine.step()
 
     def decode_steps(self) -> int:
-        """Runs the engine's steps to the end (every one a decode step after `prefill`); returns
-        how many ran."""
-        steps = 0
+        """Runs the engine's steps to the end (every one decodes after `prefill`); returns how many
+        decode steps the model ran: a row's tokens after its first (an engine step may run several)."""
+        tokens = 0
         while self.engine.has_unfinished_requests():
-            self.engine.step()
-            steps += 1
-        return steps
+            for out in self.engine.step():
+                if out.request_id == self.request_ids[0]:
+                    tokens = len(out.outputs[0].token_ids)
+        return tokens - 1
 
     def time_decode(self) -> float:
         self.prefill()
@@ -130,7 +132,8 @@ def loom_result(run: LoomDecodeRun, rates: list[float], breakdown: bool = True) 
     `run.breakdown` unless told not to."""
     steps_per_s = statistics.median(rates)
     result = {"engine": "loom", "dtype": run.dtype, "quantization": run.quantization, "symmetric": run.symmetric,
-              "kv_cache_dtype": run.kv_cache_dtype, "batch": run.batch, "steps_per_s": steps_per_s,
+              "kv_cache_dtype": run.kv_cache_dtype, "num_scheduler_steps": run.num_scheduler_steps,
+              "batch": run.batch, "steps_per_s": steps_per_s,
               "tok_per_s": steps_per_s * run.batch, "all_steps_per_s": rates}
     if breakdown:
         splits = run.splits[-len(rates):]  # the rates' own runs (an untimed first call may precede them)
@@ -144,10 +147,12 @@ def loom_result(run: LoomDecodeRun, rates: list[float], breakdown: bool = True) 
 
 
 def run_loom(model_dir: Path, dtype: str, quantization: str | None, batch: int, prompt_len: int, max_tokens: int,
-             repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True, symmetric: bool = False) -> dict:
+             repeats: int, kv_cache_dtype: str = "auto", breakdown: bool = True, symmetric: bool = False,
+             num_scheduler_steps: int = 1) -> dict:
     """Decode rates of `repeats` timed runs and, with `breakdown`, one more run under the profiler
     for where a step's time goes (`step_ms`)."""
-    run = LoomDecodeRun(model_dir, dtype, quantization, batch, prompt_len, max_tokens, kv_cache_dtype, symmetric)
+    run = LoomDecodeRun(model_dir, dtype, quantization, batch, prompt_len, max_tokens, kv_cache_dtype, symmetric,
+                        num_scheduler_steps)
     rates = [run.time_decode() for _ in range(repeats)]
     return loom_result(run, rates, breakdown)
 

@@ -109,6 +109,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                     help="Loom's KV cache (int8: llama.cpp's is q8_0, and transformers, which has no such cache "
                          "of its own, is left out)")
+    lt.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="Loom's decode steps run at once where every row takes its argmax (every timed row "
+                         "here does): the engine's per-step Python is paid once for them")
     lt.set_defaults(func=_latency)
 
     pl = sub.add_parser("planner", help="the planner's predicted decode step times vs Loom's measured ones")
@@ -906,7 +909,8 @@ def _latency_round(args: argparse.Namespace, model: Path, cfg) -> list[dict]:
                 r, peer = _latency_pair(args, model, cfg, dtype, quant, symmetric, gguf_type)
             else:
                 r = latency.run_loom(model, dtype, quant, batch, args.prompt_len, args.max_tokens, args.repeats,
-                                     args.kv_cache_dtype, symmetric=symmetric)
+                                     args.kv_cache_dtype, symmetric=symmetric,
+                                     num_scheduler_steps=args.num_scheduler_steps)
             rows.append(r)
             print(f"loom {quant or dtype} batch {batch}: {r['tok_per_s']:.1f} tok/s; a step, ms: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()), flush=True)
@@ -947,7 +951,7 @@ def _latency_pair(args: argparse.Namespace, model: Path, cfg, dtype: str, quant:
 
     prompt = latency.prompt_ids(1, args.prompt_len, cfg.vocab_size)[0]
     run = latency.LoomDecodeRun(model, dtype, quant, 1, args.prompt_len, args.max_tokens, args.kv_cache_dtype,
-                                symmetric)
+                                symmetric, args.num_scheduler_steps)
     with llamacpp.LlamaCppDecodeRun(llamacpp.peer_gguf(model, gguf_type), prompt, args.max_tokens, args.threads,
                                     kv_cache_q8_0=args.kv_cache_dtype == "int8") as peer:
         reads, mine, theirs = latency.interleaved([read_probe(), run.time_decode, peer.time_decode], args.repeats,

@@ -41,6 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens a compressed sequence keeps: a fraction of its prompt (0.5) or a count (512)")
     p.add_argument("--kv-recent-ratio", type=float, default=0.3,
                    help="of the budget, the most recent tokens h2o and keyformer always keep")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run at once while every running request is greedy (as it comes: no "
+                        "penalties, logprobs or KV policy) and none waits: their tokens stream together, and a "
+                        "new request waits for the batch's last step")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.set_defaults(func=_serve)
 
@@ -52,7 +56,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
                 enforce_eager=True if args.enforce_eager else None, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
                 kv_recent_ratio=args.kv_recent_ratio, tensor_parallel_size=args.tensor_parallel_size,
                 kv_parallel_size=args.kv_parallel_size, attention_sharding=args.attention_sharding,
-                ffn_layout=args.ffn_layout, hop_b=args.hop_b, kv_cache_dtype=args.kv_cache_dtype)
+                ffn_layout=args.ffn_layout, hop_b=args.hop_b, kv_cache_dtype=args.kv_cache_dtype,
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -120,8 +120,12 @@ class DecodeStep:
         """Seconds in the linear layers, seconds in attention, and steps, since `time_kernels(True)`."""
         return self.step.timings()
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 num_steps: int = 1) -> tuple[torch.Tensor, list[int]]:
         """The step's logits [B, vocab] float32 (as `compute_logits` gives them) and each row's
-        argmax (its first largest logit)."""
-        return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+        argmax (its first largest logit). With `num_steps` > 1, that many steps in a row, each
+        row's token the argmax of its step before (`meta.slot_mapping` holds every step's slots,
+        a step's B after another; its block tables cover them all): the last step's logits, and
+        every step's argmax, a step's B after another."""
+        return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                             num_steps)

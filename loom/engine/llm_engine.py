@@ -36,7 +36,12 @@ class LLMEngine:
                                      config.cache.enable_prefix_caching, self.runner.num_swap_blocks,
                                      num_shards=self.runner.kv_shards, placement=self.runner.kv_placement)
         m = config.model_config
-        self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker, (m.num_layers, m.num_kv_heads))
+        multi_step_rows = self.runner.decode_step.max_batch if self.runner.decode_step is not None else 0
+        if config.scheduler.num_scheduler_steps > 1 and not multi_step_rows:
+            logger.warning("num_scheduler_steps=%d: decode steps run one at a time (several at once need the "
+                           "C++ decode step)", config.scheduler.num_scheduler_steps)
+        self.scheduler = Scheduler(config.scheduler, block_manager, stop_checker, (m.num_layers, m.num_kv_heads),
+                                   multi_step_rows)
         self._request_counter = itertools.count()
         self._lock = threading.Lock()  # guards the three below
         self._requests: dict[str, Request] = {}  # every unfinished request, by id

@@ -27,7 +27,7 @@ from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.dispatch import OWN_KERNELS, plan_switches, planned_kernels
 from loom.layers.fused import enable_fusion
-from loom.layers.sampler import Sampler, SampleRow, SeqStepOutput, top_logprobs
+from loom.layers.sampler import SampleResult, Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
 from loom.parallel.batch_attention import rows_by_rank, shard_batch_metadata
@@ -72,6 +72,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: list[int]
     prompt_logit_rows: list[tuple[int, int]]
+    num_steps: int = 1  # decode steps at once: the slot map holds every step's slots
 
 
 class ModelRunner:
@@ -233,6 +234,11 @@ class ModelRunner:
             self._out_of_step = True  # the other ranks may wait in any collective of this step
             raise LockStepError(self.parallel, error) from error
         outputs = [SeqStepOutput() for _ in batch.seqs]
+        if inputs.num_steps > 1:  # every row takes its argmax: a step's rows after another
+            n = len(batch.seqs)
+            for i, output in enumerate(outputs):
+                output.sample, *output.later_samples = (SampleResult(token_ids=[t]) for t in argmax[i::n])
+            return outputs
         if sampled_seqs:
             rows = [self._sample_row(batch.seqs[i]) for i in sampled_seqs]
             for i, result in zip(sampled_seqs, self.sampler(logits[0], rows, argmax)):
@@ -297,8 +303,11 @@ class ModelRunner:
         meta, copies = self._local(inputs.meta, inputs.copies, decode_only)
         self.cache.copy_blocks(copies)
         if decode_only and self.decode_step is not None and self.decode_step.serves(meta):
-            logits, argmax = self.decode_step(inputs.input_ids, inputs.positions, meta)
+            logits, argmax = self.decode_step(inputs.input_ids, inputs.positions, meta, inputs.num_steps)
             return [logits], argmax  # a decode-only step samples every row
+        if inputs.num_steps > 1:
+            raise RuntimeError(f"a batch of {inputs.num_steps} decode steps at once that the C++ decode step "
+                               f"does not serve")  # the scheduler asks for them only where it does
         hidden = self._forward(inputs.input_ids, inputs.positions, meta, decode_only)
         logits = []
         if inputs.sample_rows:
@@ -343,6 +352,9 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sampled_seqs.append(i)
 
+        if batch.num_steps > 1:  # single-token rows only: every step's slots, a step's rows after another
+            rows = [s.kv.slots(s.kv.num_tokens, s.kv.num_tokens + batch.num_steps) for s in batch.seqs]
+            slots = [row[j] for j in range(batch.num_steps) for row in rows]
         meta = AttentionMetadata(slot_mapping=int_tensor(slots, torch.long, self.device),
                                  num_decode_tokens=batch.num_decodes, prefills=prefills)
         if batch.num_decodes:
@@ -355,7 +367,7 @@ class ModelRunner:
         inputs = StepInputs(batch.moves, batch.head_moves, batch.swap_out, batch.swap_in, batch.copies,
                             int_tensor(input_ids, torch.long, self.device),
                             int_tensor(positions, torch.long, self.device), meta, sample_rows,
-                            prompt_logit_rows)
+                            prompt_logit_rows, batch.num_steps)
         return inputs, sampled_seqs, prompt_seqs
 
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, dict[int, Logprob]]]:

@@ -9,6 +9,11 @@ last. When the pool cannot hold a running sequence's next tokens, the latest arr
 preempted (swapped out, or its blocks freed to be recomputed later from its tokens) and goes
 back to the front of its queue, so the oldest requests always make progress: nothing starves.
 
+With `num_scheduler_steps` > 1, a batch of greedy decode rows (their tokens their logits'
+argmax as the model gives them) runs that many steps at once while nothing waits to be admitted:
+the pool holds every step's token before it runs, and `postprocess` takes the steps' tokens in
+order, a row's ending at its first stop.
+
 The scheduler owns the block manager and every sequence's place in the queues; after the model
 ran, `postprocess` records the computed tokens, drops what a request's KV policy no longer
 keeps (by the scores the step added to its state), appends the sampled ones, forks n > 1
@@ -42,6 +47,7 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
+    num_steps: int = 1  # decode steps run at once, each row's token its argmax (slots allocated for all)
 
     @property
     def num_tokens(self) -> int:
@@ -53,8 +59,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop_checker: StopChecker,
-                 kv_heads: tuple[int, int]) -> None:
+                 kv_heads: tuple[int, int], multi_step_rows: int = 0) -> None:
         self.config = config
+        self.multi_step_rows = multi_step_rows  # the largest batch the runner decodes several steps at once
         self.kv_heads = kv_heads  # (layers, kv heads): the shape of a scored KV policy's state
         # Per-head moves of each sequence's last drop, due before the next step (moot once it is freed).
         self._head_moves: dict[Sequence, torch.Tensor] = {}
@@ -162,9 +169,31 @@ class Scheduler:
             self._record_stored(seq, n)
         head_moves = torch.cat(list(self._head_moves.values())) if self._head_moves else None
         self._head_moves = {}
+        num_steps = self._num_steps(chosen)  # before the copies are taken: its allocations may add some
         return ScheduledBatch(seqs=[s for s, _ in chosen], num_new_tokens=[n for _, n in chosen],
                               num_decodes=sum(1 for _, n in chosen if n == 1), moves=bm.take_moves(),
-                              head_moves=head_moves, copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in)
+                              head_moves=head_moves, copies=bm.take_copies(), swap_out=swap_out, swap_in=swap_in,
+                              num_steps=num_steps)
+
+    def _num_steps(self, chosen: list[tuple[Sequence, int]]) -> int:
+        """How many decode steps the batch runs at once: up to num_scheduler_steps where every row
+        decodes by its logits' argmax (no penalty, mask, processor, logprobs, beam or KV policy),
+        nothing waits to be admitted, and the pool holds every step's token; no more than the
+        nearest length limit leaves. A stop token or string found at one of them ends its row
+        there: the row's later tokens are dropped."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or self.waiting or self.swapped or not chosen or len(chosen) > self.multi_step_rows:
+            return 1
+        for seq, n in chosen:
+            p, generated = seq.params, len(seq.output_token_ids)
+            if (n != 1 or not p.takes_argmax or generated < p.min_tokens or seq.is_beam
+                    or seq.request.kv_policy is not None):
+                return 1
+            steps = min(steps, p.max_tokens - generated, self.stop_checker.max_model_len - seq.num_tokens)
+        # Blocks taken for a larger count before one fails stay with their sequences, for their next tokens.
+        if steps > 1 and all(self.block_manager.allocate(seq.kv, steps) for seq, _ in chosen):
+            return steps
+        return 1
 
     def _record_stored(self, seq: Sequence, n: int) -> None:
         """A scored KV policy's state gains the step's n tokens now, so that the step's
@@ -228,6 +257,12 @@ class Scheduler:
                 beam_requests[request.request_id] = request
                 continue
             self._append_samples(seq, result.sample)
+            for sample in result.later_samples:  # a batch of several steps: theirs, while the row runs
+                if seq.is_finished:
+                    break
+                self.block_manager.commit(seq.kv, 1, seq.num_computed_tokens, seq.token_ids)
+                seq.num_computed_tokens += 1
+                self._append_samples(seq, sample)
             changed[request.request_id] = request
         for request in beam_requests.values():
             if all(s.proposals is not None for s in request.seqs):

@@ -371,39 +371,60 @@ struct DecodeStep {
 
   std::tuple<double, double, int64_t> timings() const { return {linear_s, attention_s, timed_steps}; }
 
-  // ids, positions, slots [B] int64; block_tables [B, W] int32; context_lens [B] int32 (each
-  // row's context with its new token). Returns the logits [B, vocab] fp32 and each row's argmax:
-  // the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list
-  // the sampler takes (it took a tensor's tolist() at every step).
+  // `steps` decode steps of B rows, each step's token of a row the argmax of its step before.
+  // ids, positions [B] int64 and context_lens [B] int32 (each row's context with its new token)
+  // are the first step's (each later step is one position further); slots [steps * B] int64, a
+  // step's B after another; block_tables [B, W] int32 hold every step's slots. Returns the last
+  // step's logits [B, vocab] fp32 and every step's argmax, a step's B after another: the first
+  // largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list the
+  // sampler takes (it took a tensor's tolist() at every step).
   std::tuple<at::Tensor, std::vector<int64_t>> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
-                                         at::Tensor block_tables, at::Tensor context_lens) {
+                                         at::Tensor block_tables, at::Tensor context_lens, int64_t steps) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&
                     positions.is_contiguous() && ids.numel() == positions.numel(),
                 "DecodeStep: ids and positions [B] int64");
+    TORCH_CHECK(steps >= 1, "DecodeStep: steps must be >= 1, got ", steps);
     TORCH_CHECK(!layers.empty() && linears.size() == 4 * layers.size() + 1,
                 "DecodeStep: add the layers, then the LM head");
     const int64_t B = ids.numel(), H = embed.size(1), vocab = embed.size(0), max_pos = cos.size(0);
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
-                "DecodeStep: slots [B] int64");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == steps * B,
+                "DecodeStep: slots [steps * B] int64");
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t pool_slots = pool_shape[0] * pool_shape[3];
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(0 <= id[b] && id[b] < vocab, "DecodeStep: token id ", id[b], " outside the vocabulary of ", vocab);
-      TORCH_CHECK(0 <= pos[b] && pos[b] < max_pos, "DecodeStep: position ", pos[b], " beyond ", max_pos);
-      TORCH_CHECK(0 <= slot[b] && slot[b] < pool_slots, "DecodeStep: slot ", slot[b], " outside the pool of ", pool_slots);
+      TORCH_CHECK(0 <= pos[b] && pos[b] + steps <= max_pos, "DecodeStep: position ", pos[b] + steps - 1, " beyond ",
+                  max_pos);
     }
-    timed_steps += timing;
-    std::tuple<at::Tensor, std::vector<int64_t>> out;
-    AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
-        AT_DISPATCH_CASE(at::kFloat, [&] {
-          out = logits_and_argmax<scalar_t>(forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens));
-        })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] {
-          out = logits_and_argmax<scalar_t>(forward<scalar_t>(B, H, id, pos, slots, block_tables, context_lens));
-        }));
-    return out;
+    for (int64_t i = 0; i < steps * B; ++i)
+      TORCH_CHECK(0 <= slot[i] && slot[i] < pool_slots, "DecodeStep: slot ", slot[i], " outside the pool of ", pool_slots);
+    timed_steps += timing ? steps : 0;
+    std::vector<int64_t> tokens(id, id + B), position(pos, pos + B), argmax;
+    argmax.reserve(steps * B);
+    at::Tensor logits, lens = context_lens;
+    for (int64_t step = 0; step < steps; ++step) {
+      if (step > 0) {
+        std::copy(argmax.end() - B, argmax.end(), tokens.begin());
+        for (int64_t& p : position) ++p;
+        lens = context_lens + step;
+      }
+      const at::Tensor step_slots = slots.narrow(0, step * B, B);
+      std::tuple<at::Tensor, std::vector<int64_t>> out;
+      AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
+          AT_DISPATCH_CASE(at::kFloat, [&] {
+            out = logits_and_argmax<scalar_t>(
+                forward<scalar_t>(B, H, tokens.data(), position.data(), step_slots, block_tables, lens));
+          })
+          AT_DISPATCH_CASE(at::kBFloat16, [&] {
+            out = logits_and_argmax<scalar_t>(
+                forward<scalar_t>(B, H, tokens.data(), position.data(), step_slots, block_tables, lens));
+          }));
+      logits = std::get<0>(out);
+      argmax.insert(argmax.end(), std::get<1>(out).begin(), std::get<1>(out).end());
+    }
+    return {logits, argmax};
   }
 
  private:

@@ -10,7 +10,7 @@ those of the raw model distribution (log_softmax of the logits), as HF and vLLM 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,9 +35,7 @@ class SampleRow:
     def takes_argmax(self) -> bool:
         """Whether the row's token is its logits' argmax as they came from the model: greedy, with
         nothing that changes its logits and no logprobs or proposals to compute."""
-        p = self.params
-        return (p.greedy and not p.has_penalties and not self.banned_token_ids and not p.logits_processors
-                and p.logprobs is None and not self.num_proposals)
+        return self.params.takes_argmax and not self.banned_token_ids and not self.num_proposals
 
 
 @dataclass
@@ -51,6 +49,7 @@ class SampleResult:
 class SeqStepOutput:
     """What one step produced for one sequence."""
     sample: SampleResult | None = None    # None while the sequence is mid-prompt
+    later_samples: list[SampleResult] = field(default_factory=list)  # several decode steps at once: the others
     # (position, {token: Logprob}) for the prompt tokens this step scored
     prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
 
