@@ -1114,6 +1114,8 @@ def latency_plot(path: Path, rows: list[dict], prompt_len: int, threads: int, kv
 
     batch1 = [r for r in rows if r["batch"] == 1]
     cache = ", 8-bit KV caches" if kv_cache_dtype == "int8" else ""
+    steps = max(r.get("num_scheduler_steps", 1) for r in batch1)
+    cache += f", Loom {steps} steps at once" if steps > 1 else ""
     bar_plot(path, f"Batch-1 decode, prompt {prompt_len}, {threads} threads{cache}",
              [ENGINE_LABELS[r["engine"]] + "\n" + _variant(r).replace(" ", "\n") for r in batch1],
              [r["tok_per_s"] for r in batch1], "tokens/s (median over rounds)")

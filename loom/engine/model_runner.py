@@ -237,7 +237,8 @@ class ModelRunner:
         if inputs.num_steps > 1:  # every row takes its argmax: a step's rows after another
             n = len(batch.seqs)
             for i, output in enumerate(outputs):
-                output.sample, *output.later_samples = (SampleResult(token_ids=[t]) for t in argmax[i::n])
+                samples = [SampleResult(token_ids=[t]) for t in argmax[i::n]]
+                output.sample, output.later_samples = samples[0], samples[1:]
             return outputs
         if sampled_seqs:
             rows = [self._sample_row(batch.seqs[i]) for i in sampled_seqs]

@@ -401,28 +401,33 @@ struct DecodeStep {
     for (int64_t i = 0; i < steps * B; ++i)
       TORCH_CHECK(0 <= slot[i] && slot[i] < pool_slots, "DecodeStep: slot ", slot[i], " outside the pool of ", pool_slots);
     timed_steps += timing ? steps : 0;
-    std::vector<int64_t> tokens(id, id + B), position(pos, pos + B), argmax;
-    argmax.reserve(steps * B);
-    at::Tensor logits, lens = context_lens;
-    for (int64_t step = 0; step < steps; ++step) {
-      if (step > 0) {
-        std::copy(argmax.end() - B, argmax.end(), tokens.begin());
-        for (int64_t& p : position) ++p;
-        lens = context_lens + step;
-      }
-      const at::Tensor step_slots = slots.narrow(0, step * B, B);
+    auto one_step = [&](const int64_t* step_ids, const int64_t* step_pos, const at::Tensor& step_slots,
+                        const at::Tensor& lens) {
       std::tuple<at::Tensor, std::vector<int64_t>> out;
       AT_DISPATCH_SWITCH(embed.scalar_type(), "DecodeStep",
           AT_DISPATCH_CASE(at::kFloat, [&] {
             out = logits_and_argmax<scalar_t>(
-                forward<scalar_t>(B, H, tokens.data(), position.data(), step_slots, block_tables, lens));
+                forward<scalar_t>(B, H, step_ids, step_pos, step_slots, block_tables, lens));
           })
           AT_DISPATCH_CASE(at::kBFloat16, [&] {
             out = logits_and_argmax<scalar_t>(
-                forward<scalar_t>(B, H, tokens.data(), position.data(), step_slots, block_tables, lens));
+                forward<scalar_t>(B, H, step_ids, step_pos, step_slots, block_tables, lens));
           }));
-      logits = std::get<0>(out);
-      argmax.insert(argmax.end(), std::get<1>(out).begin(), std::get<1>(out).end());
+      return out;
+    };
+    if (steps == 1) return one_step(id, pos, slots, context_lens);  // the usual step: no copies of its inputs
+    std::vector<int64_t> tokens(id, id + B), position(pos, pos + B), argmax;
+    argmax.reserve(steps * B);
+    at::Tensor logits;
+    for (int64_t step = 0; step < steps; ++step) {
+      if (step > 0) {
+        std::copy(argmax.end() - B, argmax.end(), tokens.begin());
+        for (int64_t& p : position) ++p;
+      }
+      auto [step_logits, step_argmax] = one_step(tokens.data(), position.data(), slots.narrow(0, step * B, B),
+                                                 step > 0 ? context_lens + step : context_lens);
+      logits = std::move(step_logits);
+      argmax.insert(argmax.end(), step_argmax.begin(), step_argmax.end());
     }
     return {logits, argmax};
   }

@@ -10,7 +10,8 @@ those of the raw model distribution (log_softmax of the logits), as HF and vLLM 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +50,7 @@ class SampleResult:
 class SeqStepOutput:
     """What one step produced for one sequence."""
     sample: SampleResult | None = None    # None while the sequence is mid-prompt
-    later_samples: list[SampleResult] = field(default_factory=list)  # several decode steps at once: the others
+    later_samples: Sequence[SampleResult] = ()  # several decode steps at once: the later steps', in order
     # (position, {token: Logprob}) for the prompt tokens this step scored
     prompt_logprobs: list[tuple[int, dict[int, Logprob]]] | None = None
 
