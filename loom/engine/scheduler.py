@@ -177,7 +177,7 @@ class Scheduler:
 
     def _num_steps(self, chosen: list[tuple[Sequence, int]]) -> int:
         """How many decode steps the batch runs at once: up to num_scheduler_steps where every row
-        decodes by its logits' argmax (no penalty, mask, processor, logprobs, beam or KV policy),
+        decodes by its logits' argmax (no penalty, masked id, processor, logprobs, beam or KV policy),
         nothing waits to be admitted, and the pool holds every step's token; no more than the
         nearest length limit leaves. A stop token or string found at one of them ends its row
         there: the row's later tokens are dropped."""
@@ -185,11 +185,12 @@ class Scheduler:
         if steps == 1 or self.waiting or self.swapped or not chosen or len(chosen) > self.multi_step_rows:
             return 1
         for seq, n in chosen:
-            p, generated = seq.params, len(seq.output_token_ids)
-            if (n != 1 or not p.takes_argmax or generated < p.min_tokens or seq.is_beam
+            p = seq.params
+            if (n != 1 or not p.takes_argmax or self.stop_checker.banned_token_ids(seq) or seq.is_beam
                     or seq.request.kv_policy is not None):
                 return 1
-            steps = min(steps, p.max_tokens - generated, self.stop_checker.max_model_len - seq.num_tokens)
+            steps = min(steps, p.max_tokens - len(seq.output_token_ids),
+                        self.stop_checker.max_model_len - seq.num_tokens)
         # Blocks taken for a larger count before one fails stay with their sequences, for their next tokens.
         if steps > 1 and all(self.block_manager.allocate(seq.kv, steps) for seq, _ in chosen):
             return steps
