@@ -130,8 +130,9 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
 constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
 // int4 also prefetches 128 steps (16 KB) ahead. Without it, a batch-1 step's int4 layers (about
 // 1 MB a call) read at the same pace whether the memory gave 30 or 45 GB/s, and not for their
-// arithmetic: half of it removed changed nothing. With it, Zen 4 decode steps at batch 1 ran 1.03x
-// as fast at about 30 GB/s and 1.18x at 40-50; in every kernel it slowed the dense formats by 3-6%.
+// arithmetic: half of it removed changed nothing. With it, Zen 4 decode steps at batch 1 ran 1.07x
+// as fast at about 30 GB/s and 1.14x at 40-50. In the other kernels it was level or slower (bf16
+// 0.96x, fp32 0.94x at 45-50 GB/s).
 constexpr int64_t kInt4FarPrefetchSteps = 128;
 
 // Step s's two lines into L2.
