@@ -127,12 +127,19 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
 // Into L2 (T1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers until its
 // line arrives, which capped the stream; the L2 tracks more (Zen 4 decode steps at batch 1:
 // bf16 1.1-1.2x as fast, int8 up to 1.35x, fp32 and int4 level or a little faster).
+// The AVX2 build prefetches 8 steps (1 KB) ahead: on Zen 3 (512 KB of L2 a core) decode steps at
+// batch 1 ran faster than with 32 (bf16 1.11x, int8 1.05x, int4 1.09x, fp32 1.03x); 16 and 4
+// ahead gained less.
+#ifdef LOOM_LINEAR_AVX512
 constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
+#else
+constexpr int64_t kStepBytes = 128, kPrefetchSteps = 8;
+#endif
 // int4 also prefetches 128 steps (16 KB) ahead. Without it, a batch-1 step's int4 layers (about
 // 1 MB a call) read at the same pace whether the memory gave 30 or 45 GB/s, and not for their
 // arithmetic: half of it removed changed nothing. With it, Zen 4 decode steps at batch 1 ran 1.07x
 // as fast at about 30 GB/s and 1.14x at 40-50. In the other kernels it was level or slower (bf16
-// 0.96x, fp32 0.94x at 45-50 GB/s).
+// 0.96x, fp32 0.94x at 45-50 GB/s). On Zen 3 (AVX2) it made no difference either way.
 constexpr int64_t kInt4FarPrefetchSteps = 128;
 
 // Step s's two lines into L2.
