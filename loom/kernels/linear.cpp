@@ -128,8 +128,8 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
 // line arrives, which capped the stream; the L2 tracks more (Zen 4 decode steps at batch 1:
 // bf16 1.1-1.2x as fast, int8 up to 1.35x, fp32 and int4 level or a little faster).
 // The AVX2 build prefetches 8 steps (1 KB) ahead: on Zen 3 (512 KB of L2 a core) decode steps at
-// batch 1 ran faster than with 32 (bf16 1.11x, int8 1.05x, int4 1.09x, fp32 1.03x); 16 and 4
-// ahead gained less.
+// batch 1 ran faster than with 32 (bf16 1.11x, int8 1.05x, int4 1.09x, fp32 1.03x); bf16 gained
+// less with 16 or 4.
 #ifdef LOOM_LINEAR_AVX512
 constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
 #else
