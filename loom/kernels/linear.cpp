@@ -130,10 +130,11 @@ at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
 // The AVX2 build prefetches 8 steps (1 KB) ahead: on Zen 3 (512 KB of L2 a core) decode steps at
 // batch 1 ran faster than with 32 (bf16 1.11x, int8 1.05x, int4 1.09x, fp32 1.03x); bf16 gained
 // less with 16 or 4.
+constexpr int64_t kStepBytes = 128;
 #ifdef LOOM_LINEAR_AVX512
-constexpr int64_t kStepBytes = 128, kPrefetchSteps = 32;
+constexpr int64_t kPrefetchSteps = 32;
 #else
-constexpr int64_t kStepBytes = 128, kPrefetchSteps = 8;
+constexpr int64_t kPrefetchSteps = 8;
 #endif
 // int4 also prefetches 128 steps (16 KB) ahead. Without it, a batch-1 step's int4 layers (about
 // 1 MB a call) read at the same pace whether the memory gave 30 or 45 GB/s, and not for their
