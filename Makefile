@@ -22,8 +22,11 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m loom.cli generate --max-tokens 64 "ROMEO:"
 
+# Two test processes (pytest-xdist), each starting on its own half of the suite and taking tests
+# from the other's when done: compiling is single-threaded, so one alone leaves a core idle. Idle
+# OpenMP threads sleep rather than spin, as the two processes share the cores.
 test: setup
-	$(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal
 
 # SmolLM2-135M-Instruct converted into Loom's cache (models/SmolLM2-135M-Instruct), once.
 smollm2: setup

@@ -1,6 +1,7 @@
 """Shared fixtures: small random-weight Hugging Face checkpoints saved with save_pretrained."""
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -173,6 +174,9 @@ def smollm2_dir():
     except FileNotFoundError as e:
         pytest.fail(f"{e}; `make setup` installs it")
     dst = default_destination(src)
-    if not (dst / "config.json").is_file():
-        convert_gguf(src, dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f".{dst.name}.lock", "w") as lock:  # one test process converts, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dst / "config.json").is_file():
+            convert_gguf(src, dst)
     return dst

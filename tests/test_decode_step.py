@@ -96,7 +96,9 @@ def test_decode_step_decodes_as_eager(hf_models, monkeypatch, kwargs):
 
 
 def test_decode_step_leaves_scored_steps_to_the_graphs(gqa):
+    """It serves every unscored batch here, so the load compiles no graph."""
     llm = LLM(str(gqa[0]), enforce_eager=False, max_num_seqs=4)
+    assert llm.engine.runner.decode_graphs.num_compiled == 0
     step, meta = llm.engine.runner.decode_step, _decode_meta(1)
     assert step.serves(meta)
     meta.decode_scores = DecodeScores(temps=torch.ones(1), row_keys=torch.zeros(1, dtype=torch.long),
@@ -106,12 +108,24 @@ def test_decode_step_leaves_scored_steps_to_the_graphs(gqa):
     assert not step.serves(_decode_meta(step.max_batch + 1))
 
 
-def test_decode_step_serves_batches_up_to_the_first_kernel_switch(gqa, monkeypatch):
-    """A plan that hands batches above 4 to a dequantizing GEMM: the C++ step serves up to 4."""
+def test_decode_step_serves_batches_up_to_the_first_kernel_switch(gqa, tmp_path, monkeypatch):
+    """A plan that hands batches above 4 to a dequantizing GEMM: the C++ step serves up to 4, and
+    the load compiles the one graph of batches 5 to 8, which serves a batch of 6 as eager does."""
+    from loom.engine import decode_graphs
     from loom.quant import linear as quant_linear
     monkeypatch.setattr(quant_linear, "load_plan", lambda method: ((4, "weight_only"), (5, "dequantized")))
-    llm = LLM(str(gqa[0]), enforce_eager=False, dtype="bfloat16", quantization="int8", max_num_seqs=8)
-    assert llm.engine.runner.decode_step.max_batch == 4
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")  # none saved by earlier runs
+    options = dict(dtype="bfloat16", quantization="int8", max_num_seqs=8)
+    llm = LLM(str(gqa[0]), enforce_eager=False, **options)
+    runner = llm.engine.runner
+    assert runner.decode_step.max_batch == 4
+    assert runner.decode_graphs.num_compiled == 1
+    prompts = [{"prompt_token_ids": [5 + i, 9, 33, 71 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert runner.decode_graphs.num_compiled == 1
+    eager = LLM(str(gqa[0]), enforce_eager=True, **options).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_models_outside_the_llama_family_run_through_the_graphs(hf_models):

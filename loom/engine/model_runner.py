@@ -126,11 +126,12 @@ class ModelRunner:
             layout = repr((config.parallel, self.parallel.rank)) if self.parallel.world_size > 1 else "one process"
             enable_fusion(self.model)  # eager (prefill) steps fuse their elementwise layers too
             self.decode_graphs = DecodeGraphs(self.model, self.cache, options, layout)
-            self._prepare_decode_graphs()
         # Decode steps it serves run as one C++ call instead (loom/engine/decode_step.py).
         self.decode_step = None
         if self.decode_graphs is not None and self.parallel.world_size == 1:
             self.decode_step = DecodeStep.build(self.model, self.cache, config.scheduler.max_num_seqs)
+        if self.decode_graphs is not None:
+            self._prepare_decode_graphs()
 
     def _agreed(self, *counts: int) -> tuple[int, ...]:
         """The smallest of each count over the ranks (each rank sizes its pool from its own
@@ -146,11 +147,15 @@ class ModelRunner:
         """Loads or compiles the decode graphs now, at load, so that no request waits for the
         compiler: one for a step of batch 1 and one for batch 2 (which serves every larger batch,
         up to the next batch at which a linear layer switches kernel or, with HOP-B, from which it
-        splits the decodes: each takes one more)."""
+        splits the decodes: each takes one more). A graph whose batches the C++ step all serves
+        is not needed (scored steps compile graphs of their own)."""
         switches = plan_switches(self.model, self.max_decode_batch)
         if self.parallel.hop_b:
             switches.add(HOP_B_MIN_SPLIT)
         batches = DECODE_GRAPH_BATCHES + tuple(sorted(switches - set(DECODE_GRAPH_BATCHES)))
+        served = self.decode_step.max_batch if self.decode_step is not None else 0
+        lasts = [end - 1 for end in batches[1:]] + [self.max_decode_batch]  # the largest batch each graph serves
+        batches = [batch for batch, last in zip(batches, lasts) if last > served]
         for batch in tqdm(batches, desc="Decode graphs", unit="graph", disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,

@@ -18,8 +18,11 @@
 // multiply-adds, true divisions and square roots), SiLU's exponential is the one ATen's and
 // inductor's vector code calls (SLEEF's), and a norm's sum of squares is added in the order of
 // inductor's vectorized reduction.
-#include <torch/extension.h>
-#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 

@@ -39,7 +39,10 @@
 // quantized kernels dequantize with plain loops and call a bf16 GEMM (correct, slow), and the
 // engine leaves dense layers to torch.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

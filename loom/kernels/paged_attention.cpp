@@ -21,7 +21,13 @@
 //
 // Built with -ffast-math (vectorized exp), so the code never relies on infinities or NaNs.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 

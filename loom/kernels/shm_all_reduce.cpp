@@ -13,7 +13,10 @@
 // group are then unfinished at once, which the two buffers hold. Tensors larger than a slot go
 // through in pieces, each a call of its own. A rank that waits long checks that the others'
 // processes still exist, and fails the call naming a rank that is gone rather than wait forever.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -125,8 +125,9 @@ def _stored_plans(path: Path, mtime_ns: int) -> dict[str, Plan]:
 
 
 def choose(plan: Plan, tokens: int) -> str:
-    """The plan's kernel for a step of `tokens` tokens."""
-    for bound, kernel in plan:
+    """The plan's kernel for a step of `tokens` tokens. The last entry serves every count past
+    the one before it, unbounded: a graph traced there is not guarded on its bound."""
+    for bound, kernel in plan[:-1]:
         if tokens <= bound:
             return kernel
     return plan[-1][1]
