@@ -26,7 +26,6 @@ from loom.kv.cache import KVCache, kv_cache_blocks
 from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.dispatch import OWN_KERNELS, plan_switches, planned_kernels
-from loom.layers.fused import enable_fusion
 from loom.layers.sampler import SampleResult, Sampler, SampleRow, SeqStepOutput, top_logprobs
 from loom.models.loader import build_model
 from loom.outputs import Logprob
@@ -124,7 +123,6 @@ class ModelRunner:
             # Parallel options take effect from two ranks on: one process builds the same model
             # whatever they say, so it keeps one set of graphs for all of them.
             layout = repr((config.parallel, self.parallel.rank)) if self.parallel.world_size > 1 else "one process"
-            enable_fusion(self.model)  # eager (prefill) steps fuse their elementwise layers too
             self.decode_graphs = DecodeGraphs(self.model, self.cache, options, layout)
         # Decode steps it serves run as one C++ call instead (loom/engine/decode_step.py).
         self.decode_step = None

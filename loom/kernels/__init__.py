@@ -16,6 +16,8 @@ eager calls cost no Python.
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_isa              which vector path those kernels were built with (AVX-512 BF16, AVX2)
+  rms_norm, rotary, silu_and_mul  the elementwise layers of eager steps, rounded as the
+                          compiled decode graphs round them (elementwise.cpp)
   DecodeStep              a Llama-family model's whole decode step in one call, over the
                           kernels above (a Python class of the module `load_kernels` returns;
                           decode_step.cpp)
@@ -38,7 +40,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "linear.cpp", "decode_step.cpp", "shm_all_reduce.cpp")
+SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "decode_step.cpp", "shm_all_reduce.cpp")
 
 
 @functools.cache
@@ -141,6 +143,19 @@ def _register_fakes() -> None:
     @torch.library.register_fake("loom::int4_dequantize")
     def _(q, scale, zero, group_size, in_features, out_features):
         return q.new_empty(out_features, in_features, dtype=torch.bfloat16)
+
+    @torch.library.register_fake("loom::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("loom::rotary")
+    def _(positions, q, k, cos, sin, rotary_dim):
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                torch.empty_like(k, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("loom::silu_and_mul")
+    def _(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @torch.library.register_fake("loom::dense_linear")
     def _(x, w, out_features):

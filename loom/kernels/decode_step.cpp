@@ -8,16 +8,12 @@
 // At batch 1 a compiled decode graph spends about as long on its own work as on the fused
 // elementwise kernels and attention together: a tensor handle for each of its ~150 inputs, a
 // boxed dispatcher call for each of its ~60 custom-op calls, ~60 buffers allocated and freed,
-// and two Python wrappers. Here the weights and pools are held from load on, the kernels of
-// linear.cpp and paged_attention.cpp are plain C++ calls, and the elementwise layers are loops
-// over the step's few rows.
+// and two Python wrappers. Here the weights and pools are held from load on, and the kernels of
+// linear.cpp and paged_attention.cpp and the elementwise layers of elementwise.cpp are plain C++
+// calls over the step's few rows.
 //
 // Its results are bit for bit those of the compiled decode graphs (and, but for the order of the
-// norms' sums, of eager PyTorch): every layer's result is rounded to the model's dtype where
-// eager execution rounds it, the elementwise code is built without -ffast-math (no fused
-// multiply-adds, true divisions and square roots), SiLU's exponential is the one ATen's and
-// inductor's vector code calls (SLEEF's), and a norm's sum of squares is added in the order of
-// inductor's vectorized reduction.
+// norms' sums, of eager PyTorch), as elementwise.cpp says of its layers.
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/TensorOperators.h>
@@ -58,13 +54,13 @@ void write_kv_rows(void* key_pool, void* value_pool, const void* k, int64_t ldk,
                    const int64_t* slots, int64_t tokens, int64_t kvh, int64_t head_dim, int64_t bs,
                    int64_t element_bytes);
 std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in);
-
-// SLEEF's exponentials, exported by libtorch_cpu.
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);
-#elif defined(__AVX2__)
-extern "C" __m256 Sleef_expf8_u10(__m256);
-#endif
+// The elementwise layers (elementwise.cpp), over rows of the activations' dtype.
+void add_rms_norm_rows(at::ScalarType dtype, void* x, const void* y, const void* w, int64_t rows, int64_t H,
+                       double eps, void* out);
+void rotary_rows(at::ScalarType dtype, const void* src, int64_t row_stride, int64_t head_stride, int64_t rows,
+                 int64_t heads, int64_t D, int64_t R, const int64_t* positions, const float* cos, const float* sin,
+                 void* dst);
+void silu_and_mul_rows(at::ScalarType dtype, const void* gate_up, int64_t stride, int64_t rows, int64_t I, void* out);
 
 namespace {
 
@@ -101,171 +97,17 @@ struct Layer {
 
 }  // namespace
 
-// The elementwise layers, in IEEE arithmetic (the library is built with -ffast-math): no fused
-// multiply-adds, no reassociation, true divisions and square roots. Everything they call is
-// defined in this region, so that it inlines and vectorizes under the same options.
+// The step's scans of its logits, in IEEE arithmetic (the library is built with -ffast-math, whose
+// comparisons may assume there are no NaNs).
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 namespace {
 
-// Lanes of one fp32 vector, as ATen's vector code has them on this build's CPU.
-#ifdef __AVX512F__
-constexpr int kVecLanes = 16;
-#else
-constexpr int kVecLanes = 8;
-#endif
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// fp32 -> T, rounded to nearest even as c10::BFloat16 rounds (activations are never NaN).
-template <typename T>
-inline T narrow(float f);
-template <>
-inline float narrow<float>(float f) { return f; }
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
-}
-
-// Sum of x[i]^2 over i < H, added as inductor's vectorized reduction adds it: into lanes of one
-// vector of T's width (16 or 32 lanes with AVX-512 for fp32 or bf16), whose fp32 halves are then
-// added, and those lanes folded in halves (lane j with j + 8, then + 4, + 2, + 1).
-template <typename T>
-float sum_squares(const T* x, int64_t H) {
-  constexpr int N = sizeof(float) / sizeof(T), L = kVecLanes * N;
-  float acc[L] = {};
-  int64_t i0 = 0;
-  for (; i0 + L <= H; i0 += L)
-    for (int j = 0; j < L; ++j) acc[j] += widen(x[i0 + j]) * widen(x[i0 + j]);
-  for (int j = 0; i0 + j < H; ++j) acc[j] += widen(x[i0 + j]) * widen(x[i0 + j]);
-  for (int part = 1; part < N; ++part)
-    for (int j = 0; j < kVecLanes; ++j) acc[j] += acc[part * kVecLanes + j];
-  for (int half = kVecLanes / 2; half >= 1; half /= 2)
-    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
-  return acc[0];
-}
-
-// out[b] = w * round(x[b] / rms(x[b])) over rows of H, as loom.layers.norm.rms_norm.
-template <typename T>
-void rms_norm(const T* x, const T* w, int64_t rows, int64_t H, double eps, T* out) {
-  for (int64_t b = 0; b < rows; ++b) {
-    const T* xr = x + b * H;
-    const float inv = 1.f / std::sqrt(sum_squares(xr, H) / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) out[b * H + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(xr[i]) * inv)));
-  }
-}
-
-// x += y elementwise, rounded to T.
-template <typename T>
-void add_into(T* x, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = narrow<T>(widen(x[i]) + widen(y[i]));
-}
-
-// Rotate-half RoPE of `heads` heads of D from src (row stride ld) into dst [rows, heads, D], at
-// each row's position (tables cos/sin [positions, D/2] fp32).
-template <typename T>
-void rotate(const T* src, int64_t ld, int64_t rows, int64_t heads, int64_t D, const int64_t* positions,
-            const float* cos, const float* sin, T* dst) {
-  const int64_t half = D / 2;
-  for (int64_t b = 0; b < rows; ++b) {
-    const float* c = cos + positions[b] * half;
-    const float* s = sin + positions[b] * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* x = src + b * ld + h * D;
-      T* y = dst + (b * heads + h) * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = widen(x[i]), x2 = widen(x[i + half]);
-        y[i] = narrow<T>(x1 * c[i] - x2 * s[i]);
-        y[i + half] = narrow<T>(x2 * c[i] + x1 * s[i]);
-      }
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-// The first n (<= 16) elements at p, widened to fp32 lanes (the others zero).
-inline __m512 load16(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 n) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// The lanes rounded to T as narrow<T> rounds them, kept as fp32 (for bf16: the low 16 bits zero).
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-}
-
-// The first n lanes of x, rounded to T, to p.
-inline void store16(float* p, __m512 x, __mmask16 n) { _mm512_mask_storeu_ps(p, n, x); }
-inline void store16(c10::BFloat16* p, __m512 x, __mmask16 n) {
-  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round16<c10::BFloat16>(x)), 16);
-  _mm256_mask_storeu_epi16(p, n, _mm512_cvtepi32_epi16(high));
-}
-#else
-// e[0:n] = e^e[0:n], n <= 16, as ATen's vector code computes it: SLEEF's (within 1 ulp) a vector
-// at a time where this build has one (with AVX-512, silu_and_mul calls SLEEF itself).
-inline void exp_in_place(float* e, int n) {
-#if defined(__AVX2__)
-  float lanes[16] = {};
-  for (int j = 0; j < n; ++j) lanes[j] = e[j];
-  _mm256_storeu_ps(lanes, Sleef_expf8_u10(_mm256_loadu_ps(lanes)));
-  _mm256_storeu_ps(lanes + 8, Sleef_expf8_u10(_mm256_loadu_ps(lanes + 8)));
-  for (int j = 0; j < n; ++j) e[j] = lanes[j];
-#else
-  for (int j = 0; j < n; ++j) e[j] = std::exp(e[j]);
-#endif
-}
-#endif
-
-// out[b] = round(silu(gate)) * up over gate_up [rows, 2I] (gate then up), as
-// loom.layers.activation.silu_and_mul: silu(x) = x / (1 + e^-x), 16 inputs at a time.
-template <typename T>
-void silu_and_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
-  for (int64_t b = 0; b < rows; ++b) {
-    const T* g = gate_up + b * 2 * I;
-    for (int64_t i0 = 0; i0 < I; i0 += 16) {
-      const int n = I - i0 < 16 ? static_cast<int>(I - i0) : 16;
-#if defined(__AVX512F__)
-      const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 x = load16(g + i0, live), up = load16(g + I + i0, live);
-      const __m512 minus_x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
-      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(minus_x)));
-      store16(out + b * I + i0, _mm512_mul_ps(round16<T>(silu), up), live);
-#else
-      float e[16];
-      for (int j = 0; j < n; ++j) e[j] = -widen(g[i0 + j]);
-      exp_in_place(e, n);
-      for (int j = 0; j < n; ++j) {
-        const float x = widen(g[i0 + j]);
-        out[b * I + i0 + j] = narrow<T>(widen(narrow<T>(x / (1.f + e[j]))) * widen(g[I + i0 + j]));
-      }
-#endif
-    }
-  }
-}
-
 // out[0:n] = x[0:n] in fp32.
-template <typename T>
-void widen_into(const T* x, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = widen(x[i]);
+inline void widen_into(const float* x, int64_t n, float* out) { std::copy(x, x + n, out); }
+inline void widen_into(const c10::BFloat16* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<uint32_t>(x[i].x) << 16);
 }
 
 // Whether f is a NaN, by its bits (calls that inline into -ffast-math code may have std::isnan
@@ -316,10 +158,6 @@ inline int64_t first_argmax(const float* x, int64_t n) {
 }  // namespace
 
 #pragma GCC pop_options
-
-// Elements of a step's activations (rows times their width) below which an elementwise layer is
-// not split over threads: a fork and join costs about as much as that many elements' work.
-constexpr int64_t kElementsPerTask = 16384;
 
 // Built once per engine (add_linear four times a layer: QKV, O, gate/up, down; then add_layer;
 // after the last layer, add_linear once more: the LM head); run() is a step of decode rows.
@@ -475,10 +313,7 @@ struct DecodeStep {
     for (int64_t b = 0; b < B; ++b) std::copy(table + id[b] * H, table + (id[b] + 1) * H, xp + b * H);
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
-    // The elementwise layers split their rows over threads once there are enough of them.
-    auto over_rows = [B](int64_t width, const auto& f) {
-      at::parallel_for(0, B, std::max<int64_t>(1, kElementsPerTask / width), f);
-    };
+    const at::ScalarType dtype = embed.scalar_type();
     auto now = [] {
       return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
     };
@@ -492,10 +327,7 @@ struct DecodeStep {
     };
     auto linear = [&](const Linear& l, const at::Tensor& in) { return time_into(linear_s, [&] { return l(in); }); };
     auto add_and_norm = [&](const T* y, const at::Tensor& w) {  // x += y; normed = norm(x)
-      over_rows(H, [&](int64_t b0, int64_t b1) {
-        if (y) add_into(xp + b0 * H, y + b0 * H, (b1 - b0) * H);
-        rms_norm(xp + b0 * H, w.data_ptr<T>(), b1 - b0, H, eps, np + b0 * H);
-      });
+      add_rms_norm_rows(dtype, xp, y, w.data_ptr<T>(), B, H, eps, np);
     };
     add_and_norm(nullptr, layers[0].input_norm);
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -504,10 +336,8 @@ struct DecodeStep {
       const at::Tensor qkv = linear(lin[0], normed);
       const T* qkvp = qkv.data_ptr<T>();
       const int64_t ld = qkv.size(1);
-      over_rows(q_size + kv_size, [&](int64_t b0, int64_t b1) {
-        rotate(qkvp + b0 * ld, ld, b1 - b0, num_heads, head_dim, pos + b0, cp, sp, qp + b0 * q_size);
-        rotate(qkvp + b0 * ld + q_size, ld, b1 - b0, num_kv_heads, head_dim, pos + b0, cp, sp, kp + b0 * kv_size);
-      });
+      rotary_rows(dtype, qkvp, ld, head_dim, B, num_heads, head_dim, head_dim, pos, cp, sp, qp);
+      rotary_rows(dtype, qkvp + q_size, ld, head_dim, B, num_kv_heads, head_dim, head_dim, pos, cp, sp, kp);
       std::optional<at::Tensor> key_scales, value_scales;
       if (layer.pools.size() == 4) {  // an int8 pool: rows and their scales
         const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
@@ -530,9 +360,7 @@ struct DecodeStep {
       add_and_norm(o.data_ptr<T>(), layer.post_norm);
       const at::Tensor gate_up = linear(lin[2], normed);
       const T* gate_up_p = gate_up.data_ptr<T>();
-      over_rows(2 * I, [&](int64_t b0, int64_t b1) {
-        silu_and_mul(gate_up_p + b0 * 2 * I, b1 - b0, I, actp + b0 * I);
-      });
+      silu_and_mul_rows(dtype, gate_up_p, 2 * I, B, I, actp);
       const at::Tensor down = linear(lin[3], act);
       add_and_norm(down.data_ptr<T>(), l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
     }

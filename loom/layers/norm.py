@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.layers.fused import fused
+from loom.layers.elementwise import with_kernel
 
 
 class RMSNorm(nn.Module):
@@ -12,13 +12,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fuse = False  # eager calls fused (loom/layers/fused.py)
+        self.kernel = False  # eager calls run Loom's operator (loom/layers/elementwise.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, fuse=self.fuse)
+        return rms_norm(x, self.weight, self.eps, kernel=self.kernel)
 
 
-@fused
+@with_kernel("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.layers.fused import fused
+from loom.layers.elementwise import with_kernel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,13 +38,13 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim // 2] each; plain attributes (not buffers) so that casting the
         # model to bf16 leaves them in fp32.
         self.cos, self.sin = angles.cos(), angles.sin()
-        self.fuse = False  # eager calls fused (loom/layers/fused.py)
+        self.kernel = False  # eager calls run Loom's operator (loom/layers/elementwise.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim, fuse=self.fuse)
+        return apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim, kernel=self.kernel)
 
 
-@fused
+@with_kernel("rotary")
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
                  sin_table: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     cos = cos_table[positions].unsqueeze(1)  # [T, 1, D/2]

@@ -43,10 +43,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fuse = False  # eager calls fused (loom/layers/fused.py)
+        self.kernel = False  # eager calls run Loom's operator (loom/layers/elementwise.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fuse=self.fuse))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), kernel=self.kernel))
 
 
 class LlamaDecoderLayer(nn.Module):

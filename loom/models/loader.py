@@ -11,6 +11,7 @@ from torch import nn
 
 from loom.config import EngineConfig
 from loom.kernels import load_kernels
+from loom.layers.elementwise import use_kernels
 from loom.layers.linear import use_dense_linears
 from loom.models.config import GPT_NEOX, ModelConfig
 from loom.models.gpt_neox import GPTNeoXForCausalLM
@@ -53,11 +54,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def build_model(config: EngineConfig, parallel: ParallelState | None = None) -> CausalLM:
     """The model as an engine runs it: weights loaded (or read quantized), quantized at load
     time if asked, cut to this rank's tensor-parallel shard, linear layers choosing their kernel by
-    tokens per step, attention backend set; on a CPU, its weights on huge pages."""
+    tokens per step, attention backend set (Loom's C++ attention with its elementwise layers too);
+    on a CPU, its weights on huge pages."""
     if config.attention_backend == "cpp":
         load_kernels()  # build or load now, so a missing compiler fails here and not mid-run
     model = load_model(config.model, config.dtype, config.device, config.max_model_len, config.model_config)
     model.set_attention_backend(config.attention_backend)
+    if config.attention_backend == "cpp":
+        use_kernels(model)
     if config.quantization is not None:
         quantize_model(model, config.quantization, config.group_size, progress=parallel is None or parallel.is_driver,
                        symmetric=config.symmetric)
