@@ -90,9 +90,13 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4))
+    # Each bar as wide as its label's longest line at the ticks' font size, so that labels never overlap.
+    longest = max((len(line) for label in labels for line in label.splitlines()), default=0)
+    fig, ax = plt.subplots(figsize=(max(7, len(labels) * max(0.8, 0.075 * longest)), 4))
     bars = ax.bar(labels, values, color=["#4C72B0" if "loom" in l.lower() else "#999999" for l in labels])
+    ax.tick_params(axis="x", labelsize=8)
     ax.bar_label(bars, fmt="%.1f")
+    ax.margins(y=0.1)  # room above the tallest bar for its label
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{cpu_label()}, torch {torch.__version__}", fontsize=10)
     fig.tight_layout()
