@@ -55,8 +55,8 @@ void write_kv_rows(void* key_pool, void* value_pool, const void* k, int64_t ldk,
                    int64_t element_bytes);
 std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x_in);
 // The elementwise layers (elementwise.cpp), over rows of the activations' dtype.
-void add_rms_norm_rows(at::ScalarType dtype, void* x, const void* y, const void* w, int64_t rows, int64_t H,
-                       double eps, void* out);
+void add_rms_norm_rows(at::ScalarType dtype, const void* x, const void* y, void* sum, const void* w, int64_t rows,
+                       int64_t H, double eps, void* out);
 void rotary_rows(at::ScalarType dtype, const void* src, int64_t row_stride, int64_t head_stride, int64_t rows,
                  int64_t heads, int64_t D, int64_t R, const int64_t* positions, const float* cos, const float* sin,
                  void* dst);
@@ -327,7 +327,7 @@ struct DecodeStep {
     };
     auto linear = [&](const Linear& l, const at::Tensor& in) { return time_into(linear_s, [&] { return l(in); }); };
     auto add_and_norm = [&](const T* y, const at::Tensor& w) {  // x += y; normed = norm(x)
-      add_rms_norm_rows(dtype, xp, y, w.data_ptr<T>(), B, H, eps, np);
+      add_rms_norm_rows(dtype, xp, y, xp, w.data_ptr<T>(), B, H, eps, np);
     };
     add_and_norm(nullptr, layers[0].input_norm);
     for (size_t l = 0; l < layers.size(); ++l) {

@@ -94,14 +94,18 @@ float sum_squares(const T* x, int64_t H) {
   return acc[0];
 }
 
-// Rows [b0, b1) of H: x += y when y is given (rounded to T), then out = w * round(x / rms(x)), as
-// loom.layers.norm.rms_norm.
+// Rows [b0, b1) of H: out = w * round(x / rms(x)), as loom.layers.norm.rms_norm; where y is given,
+// of x + y (rounded to T) instead, which also goes to `sum` (which may be x).
 template <typename T>
-void add_rms_norm(T* x, const T* y, const T* w, int64_t b0, int64_t b1, int64_t H, double eps, T* out) {
+void add_rms_norm(const T* x, const T* y, T* sum, const T* w, int64_t b0, int64_t b1, int64_t H, double eps,
+                  T* out) {
   for (int64_t b = b0; b < b1; ++b) {
-    T* xr = x + b * H;
-    if (y)
-      for (int64_t i = 0; i < H; ++i) xr[i] = narrow<T>(widen(xr[i]) + widen(y[b * H + i]));
+    const T* xr = x + b * H;
+    if (y) {
+      T* sr = sum + b * H;
+      for (int64_t i = 0; i < H; ++i) sr[i] = narrow<T>(widen(xr[i]) + widen(y[b * H + i]));
+      xr = sr;
+    }
     const float inv = 1.f / std::sqrt(sum_squares(xr, H) / static_cast<float>(H) + static_cast<float>(eps));
     for (int64_t i = 0; i < H; ++i) out[b * H + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(xr[i]) * inv)));
   }
@@ -220,13 +224,13 @@ void over_rows(int64_t rows, int64_t width, const F& f) {
 }  // namespace
 
 // The layers over raw rows, for the decode step (pointers to elements of `dtype`).
-void add_rms_norm_rows(at::ScalarType dtype, void* x, const void* y, const void* w, int64_t rows, int64_t H,
-                       double eps, void* out) {
+void add_rms_norm_rows(at::ScalarType dtype, const void* x, const void* y, void* sum, const void* w, int64_t rows,
+                       int64_t H, double eps, void* out) {
   with_activation_type(dtype, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     over_rows(rows, H, [&](int64_t b0, int64_t b1) {
-      add_rms_norm(static_cast<T*>(x), static_cast<const T*>(y), static_cast<const T*>(w), b0, b1, H, eps,
-                   static_cast<T*>(out));
+      add_rms_norm(static_cast<const T*>(x), static_cast<const T*>(y), static_cast<T*>(sum), static_cast<const T*>(w),
+                   b0, b1, H, eps, static_cast<T*>(out));
     });
   });
 }
@@ -264,9 +268,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t H = x.size(-1);
-  // x is only read: with no residual, add_rms_norm_rows leaves it as it is.
-  add_rms_norm_rows(x.scalar_type(), const_cast<void*>(x.const_data_ptr()), nullptr, w.const_data_ptr(),
-                    H ? x.numel() / H : 0, H, eps, out.data_ptr());
+  add_rms_norm_rows(x.scalar_type(), x.const_data_ptr(), nullptr, nullptr, w.const_data_ptr(), H ? x.numel() / H : 0,
+                    H, eps, out.data_ptr());
   return out;
 }
 
