@@ -49,8 +49,8 @@ def _engine(model_dir: Path, dtype: str, policy: str, budget: float | None, max_
             kv_cache_memory: int | None = None) -> LLM:
     llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
               kv_cache_memory=kv_cache_memory, kv_policy=policy, kv_budget=budget)
-    # Warm-up, untimed: the policy's own decode graphs too (scored steps compile theirs on first
-    # use), at shrinking batch sizes so the dynamic one is among them.
+    # Warm-up, untimed, at shrinking batch sizes so that every decode graph the steps use has run
+    # (the load prepared them, a scored policy's among them, or loaded them from disk).
     kv = {"kv_policy": policy, "kv_budget": 8} if policy != "full" else {"kv_policy": "full"}
     llm.generate([{"prompt_token_ids": [5] * 16}] * 3,
                  [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **kv) for m in (4, 8, 12)],

@@ -23,6 +23,7 @@ from loom.engine.sequence import Sequence
 from loom.engine.stop_checker import StopChecker
 from loom.kv.attention import AttentionMetadata, DecodeScores, PrefillSegment, PromptScores
 from loom.kv.cache import KVCache, kv_cache_blocks
+from loom.kv.policy import DECODE_SCORED_POLICIES
 from loom.kv.scores import HeadScores, row_key
 from loom.kv.swap import SwapSpace
 from loom.layers.dispatch import OWN_KERNELS, plan_switches, planned_kernels
@@ -129,7 +130,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.parallel.world_size == 1:
             self.decode_step = DecodeStep.build(self.model, self.cache, config.scheduler.max_num_seqs)
         if self.decode_graphs is not None:
-            self._prepare_decode_graphs()
+            self._prepare_decode_graphs(scored=config.cache.kv_policy in DECODE_SCORED_POLICIES)
 
     def _agreed(self, *counts: int) -> tuple[int, ...]:
         """The smallest of each count over the ranks (each rank sizes its pool from its own
@@ -141,24 +142,33 @@ class ModelRunner:
         return tuple(t.tolist())
 
     @torch.inference_mode()
-    def _prepare_decode_graphs(self) -> None:
+    def _prepare_decode_graphs(self, scored: bool) -> None:
         """Loads or compiles the decode graphs now, at load, so that no request waits for the
         compiler: one for a step of batch 1 and one for batch 2 (which serves every larger batch,
         up to the next batch at which a linear layer switches kernel or, with HOP-B, from which it
         splits the decodes: each takes one more). A graph whose batches the C++ step all serves
-        is not needed (scored steps compile graphs of their own)."""
+        is not needed. Steps whose attention scores keys for a KV policy have graphs of their own,
+        which the C++ step never serves: prepared too where the engine's default policy scores
+        decode steps (`scored`), else compiled at such a step's first use."""
         switches = plan_switches(self.model, self.max_decode_batch)
         if self.parallel.hop_b:
             switches.add(HOP_B_MIN_SPLIT)
         batches = DECODE_GRAPH_BATCHES + tuple(sorted(switches - set(DECODE_GRAPH_BATCHES)))
         served = self.decode_step.max_batch if self.decode_step is not None else 0
         lasts = [end - 1 for end in batches[1:]] + [self.max_decode_batch]  # the largest batch each graph serves
-        batches = [batch for batch, last in zip(batches, lasts) if last > served]
-        for batch in tqdm(batches, desc="Decode graphs", unit="graph", disable=not self.parallel.is_driver):
+        steps = [(batch, False) for batch, last in zip(batches, lasts) if last > served]
+        steps += [(batch, True) for batch in batches] if scored else []
+        for batch, scores in tqdm(steps, desc="Decode graphs", unit="graph", disable=not self.parallel.is_driver):
             ids, positions, slots = (torch.zeros(batch, dtype=torch.long, device=self.device) for _ in range(3))
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=self.device),
                                      decode_context_lens=torch.ones(batch, dtype=torch.int32, device=self.device))
+            if scores:  # rows of temperature 0: traced as a scored step, none of them scoring
+                meta.decode_scores = DecodeScores(
+                    temps=torch.zeros(batch, device=self.device),
+                    row_keys=torch.full((batch,), -1, dtype=torch.long, device=self.device),
+                    rows=torch.zeros(batch, 5, dtype=torch.long, device=self.device),
+                    newest=torch.full((batch,), -1, dtype=torch.long, device=self.device), states=[None] * batch)
             self.decode_graphs.prepare(ids, positions, self._local(meta, [], decode_only=True)[0])
 
     def _local(self, meta: AttentionMetadata, copies: list[tuple[int, int]],

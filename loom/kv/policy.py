@@ -36,6 +36,8 @@ from loom.kv.scores import lowest_unprotected
 
 KV_POLICIES = ("full", "window", "streaming", "h2o", "keyformer", "snapkv")
 SCORED_POLICIES = ("h2o", "keyformer", "snapkv")
+# Those whose decode steps score too (snapkv scores its prompt's last queries only).
+DECODE_SCORED_POLICIES = ("h2o", "keyformer")
 NUM_SINKS = 4
 SNAPKV_WINDOW = 32   # prompt queries whose attention chooses what SnapKV keeps
 SNAPKV_POOL = 7      # tokens over which SnapKV averages scores, so neighbours of a hit stay too
@@ -107,7 +109,7 @@ class KVPolicy:
     def needs_every_prompt_row(self) -> bool:
         """Whether every prompt query's attention counts (so no prompt token may come from the
         prefix cache, where its query was never computed)."""
-        return self.name in ("h2o", "keyformer")
+        return self.name in DECODE_SCORED_POLICIES
 
     def score_temperature(self, position: int, num_prompt_tokens: int) -> float:
         """The softmax temperature of the query at `position` for this policy's scores; 0 when
@@ -133,7 +135,7 @@ class KVPolicy:
         """When the stored tokens exceed an h2o / keyformer budget by one (a decode step's drop,
         the common case), the newest position the dropped token may have (older tokens than the
         recent window); None for any other drop or none."""
-        if self.name in ("h2o", "keyformer") and num_stored - self.budget == 1:
+        if self.name in DECODE_SCORED_POLICIES and num_stored - self.budget == 1:
             return last_position - self.recent
         return None
 
