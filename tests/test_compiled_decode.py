@@ -146,24 +146,6 @@ def test_scored_decode_is_compiled_and_matches_eager(hf_models, policy):
     assert len(llm.engine.runner.decode_graphs.graphs) > 2  # the load's two unscored graphs, and the scored
 
 
-def test_an_engine_whose_policy_scores_prepares_its_scored_graphs_at_load(hf_models, monkeypatch, tmp_path):
-    """Where the engine's default KV policy scores decode steps, the load prepares the scored
-    graphs too (traced from rows that do not score), and its requests' scored steps (batches of
-    3, 2 and 1) then compile nothing, with the same tokens as eager."""
-    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")  # none saved by earlier runs
-    model_dir, _ = hf_models("llama_gqa")
-    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True) for p in PARAMS]
-    engine = dict(dtype="float32", max_num_seqs=4, kv_policy="h2o", kv_budget=0.5)
-    llm = LLM(str(model_dir), enforce_eager=False, **engine)
-    graphs = llm.engine.runner.decode_graphs
-    loaded, compiled = len(graphs.graphs), graphs.num_compiled
-    assert loaded >= 2  # at least the scored graphs of batch 1 and of 2 on
-    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert (len(graphs.graphs), graphs.num_compiled) == (loaded, compiled)
-    eager = LLM(str(model_dir), enforce_eager=True, **engine).generate(PROMPTS, params, use_tqdm=False)
-    assert outs == [o.outputs[0].token_ids for o in eager]
-
-
 @pytest.mark.parametrize("keep_inputs", [True, False], ids=["inputs-kept", "prologue"])
 def test_guards_are_checked_only_when_a_step_is_shaped_unlike_the_last(hf_models, monkeypatch, keep_inputs):
     """Consecutive decode steps alike in shape reuse the last step's graph without its guards and

@@ -10,7 +10,7 @@ import torch
 from conftest import build_hf_model
 
 from loom import LLM, SamplingParams
-from loom.engine import model_runner
+from loom.engine import decode_graphs, model_runner
 from loom.engine.decode_step import DecodeStep
 from loom.kv.attention import DecodeScores
 from loom.layers.sampler import first_argmax
@@ -106,6 +106,22 @@ def test_decode_step_leaves_scored_steps_to_the_graphs(gqa):
                                       states=[None])
     assert not step.serves(meta)
     assert not step.serves(_decode_meta(step.max_batch + 1))
+
+
+def test_an_engine_whose_policy_scores_prepares_its_scored_graphs_at_load(gqa, monkeypatch, tmp_path):
+    """The C++ step serves every unscored batch, and scored steps have graphs of their own: where
+    the engine's default KV policy scores decode steps, the load compiles those (traced from rows
+    that do not score), and its requests' scored steps (batches of 3, 2 and 1) then compile
+    nothing, with the same tokens as eager."""
+    monkeypatch.setattr(decode_graphs, "graphs_root", lambda: tmp_path / "graphs")  # none saved by earlier runs
+    engine = dict(dtype="float32", max_num_seqs=4, kv_policy="h2o", kv_budget=0.5)
+    llm = LLM(str(gqa[0]), enforce_eager=False, **engine)
+    graphs = llm.engine.runner.decode_graphs
+    assert (len(graphs.graphs), graphs.num_compiled) == (2, 2)  # the scored graphs of batch 1 and of 2 on
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert (len(graphs.graphs), graphs.num_compiled) == (2, 2)
+    eager = LLM(str(gqa[0]), enforce_eager=True, **engine).generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert outs == [o.outputs[0].token_ids for o in eager]
 
 
 def test_decode_step_serves_batches_up_to_the_first_kernel_switch(gqa, tmp_path, monkeypatch):
