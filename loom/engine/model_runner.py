@@ -153,7 +153,8 @@ class ModelRunner:
         switches = plan_switches(self.model, self.max_decode_batch)
         if self.parallel.hop_b:
             switches.add(HOP_B_MIN_SPLIT)
-        batches = DECODE_GRAPH_BATCHES + tuple(sorted(switches - set(DECODE_GRAPH_BATCHES)))
+        # No step has more rows than max_decode_batch.
+        batches = sorted(b for b in set(DECODE_GRAPH_BATCHES) | switches if b <= self.max_decode_batch)
         served = self.decode_step.max_batch if self.decode_step is not None else 0
         lasts = [end - 1 for end in batches[1:]] + [self.max_decode_batch]  # the largest batch each graph serves
         steps = [(batch, False) for batch, last in zip(batches, lasts) if last > served]
