@@ -29,6 +29,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include <c10/util/BFloat16.h>
 
