@@ -39,10 +39,22 @@ MODEL_SPECS = {
 
 
 @pytest.fixture(autouse=True)
-def fake_clock(monkeypatch):
-    """In every test the measurements' clock (`loom.bench.clock.now`) is a counter, each reading a
-    millisecond after the last: a test that runs a benchmark's bookkeeping checks fixed figures,
-    and no test times anything."""
+def no_clock(monkeypatch):
+    """No test reads the time: `loom.bench.clock.now`, which every measurement of Loom (the
+    benchmarks, the kernels' calibration) reads, raises in every test. A test of a measurement's
+    bookkeeping gives it its durations, or asks for `counter_clock`."""
+    def refuse() -> float:
+        raise AssertionError("a test read the clock: tests never time anything (give the measurement its "
+                             "durations, or take the counter_clock fixture)")
+
+    monkeypatch.setattr(clock, "now", refuse)
+
+
+@pytest.fixture
+def counter_clock(monkeypatch):
+    """For tests that run a measuring client for its bookkeeping (requests counted, streams read,
+    reports written): each reading of `loom.bench.clock.now` a millisecond after the last, so that
+    every figure it yields is fixed, never measured."""
     monkeypatch.setattr(clock, "now", itertools.count(1e-3, 1e-3).__next__)
 
 

@@ -455,7 +455,7 @@ def test_failed_step_gives_500_and_the_server_goes_on(server):
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def test_loom_serve_starts_answers_and_drains_on_sigterm():
+def test_loom_serve_starts_answers_and_drains_on_sigterm(counter_clock):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--model", str(HOUSE)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
@@ -515,7 +515,7 @@ def test_chat_page_is_served(server):
 
 @pytest.mark.parametrize("load", [["--concurrency", "4"], ["--request-rate", "50"]])
 @pytest.mark.parametrize("prompts", ["ids", "text"])
-def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
+def test_bench_serve_measures_every_request(server, tmp_path, load, prompts, counter_clock):
     from loom.bench.serve import make_workload
     from loom.cli import main
 
@@ -534,7 +534,7 @@ def test_bench_serve_measures_every_request(server, tmp_path, load, prompts):
     assert server.idle()
 
 
-def test_bench_serve_counts_failed_requests(server):
+def test_bench_serve_counts_failed_requests(server, counter_clock):
     """A refused request and a server that is not there are errors of the run, each with its
     reason, never an exception that loses the other requests' figures."""
     from loom.bench.serve import ServeRequest, benchmark
@@ -579,7 +579,7 @@ def _sse_events(tokens: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("framing", ["chunked", "length", "close", "cut", "short"])
-def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing):
+def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_error(framing, counter_clock):
     """The bench's client reads a streamed body in chunks, of a stated length, or ended by the
     connection's close; a chunked stream the server closes before its last chunk, or a body
     shorter than its length, is an error of that request."""
@@ -612,7 +612,7 @@ def test_bench_serve_client_reads_every_framing_and_counts_a_cut_stream_as_an_er
         assert all(r["output_tokens"] == 3 for r in run["requests"])
 
 
-def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path):
+def test_bench_serve_soak_samples_memory_and_kv(server, tmp_path, counter_clock):
     """A soak (--duration at a --request-rate) samples the server's resident memory and KV use
     from /metrics while it runs, and finds the KV cache back to idle at its end."""
     from loom.cli import main
@@ -681,7 +681,7 @@ def test_model_without_tokenizer_streams_token_ids(hf_models):
         s.stop()
 
 
-def test_bench_serve_launches_loom_itself(tmp_path):
+def test_bench_serve_launches_loom_itself(tmp_path, counter_clock):
     """`--launch loom offline --rounds 2`: the server it starts and the same engine in-process take
     turns on the same text prompts, new prompts each round; every request served in both, the
     server's start-up and first answer recorded, the ratios the medians of the rounds'."""
