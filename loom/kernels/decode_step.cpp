@@ -105,9 +105,9 @@ struct Layer {
 namespace {
 
 // out[0:n] = x[0:n] in fp32.
-inline void widen_into(const float* x, int64_t n, float* out) { std::copy(x, x + n, out); }
-inline void widen_into(const c10::BFloat16* x, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<uint32_t>(x[i].x) << 16);
+template <typename T>
+void widen_into(const T* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
 // Whether f is a NaN, by its bits (calls that inline into -ffast-math code may have std::isnan

@@ -16,6 +16,7 @@
 // and a norm's sum of squares is added in the order of inductor's vectorized reduction.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
@@ -205,17 +206,6 @@ void silu_mul(const T* gate_up, int64_t stride, int64_t b0, int64_t b1, int64_t 
   }
 }
 
-// f(scalar type tag) for the activations' dtype: fp32 or bf16.
-template <typename F>
-void with_activation_type(at::ScalarType dtype, const char* op, F&& f) {
-  if (dtype == at::kFloat)
-    f(float{});
-  else if (dtype == at::kBFloat16)
-    f(c10::BFloat16{});
-  else
-    TORCH_CHECK(false, op, ": activations must be float32 or bfloat16, got ", dtype);
-}
-
 // f(b0, b1) over `rows` rows of `width` elements each, split over threads once there are enough.
 template <typename F>
 void over_rows(int64_t rows, int64_t width, const F& f) {
@@ -224,11 +214,14 @@ void over_rows(int64_t rows, int64_t width, const F& f) {
 
 }  // namespace
 
-// The layers over raw rows, for the decode step (pointers to elements of `dtype`).
+// The layers over raw rows, for the decode step (pointers to elements of `dtype`: fp32 or bf16).
+#define LOOM_ACTIVATION_TYPES(dtype, name, ...) \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 void add_rms_norm_rows(at::ScalarType dtype, const void* x, const void* y, void* sum, const void* w, int64_t rows,
                        int64_t H, double eps, void* out) {
-  with_activation_type(dtype, "rms_norm", [&](auto tag) {
-    using T = decltype(tag);
+  LOOM_ACTIVATION_TYPES(dtype, "rms_norm", [&] {
+    using T = scalar_t;
     over_rows(rows, H, [&](int64_t b0, int64_t b1) {
       add_rms_norm(static_cast<const T*>(x), static_cast<const T*>(y), static_cast<T*>(sum), static_cast<const T*>(w),
                    b0, b1, H, eps, static_cast<T*>(out));
@@ -239,8 +232,8 @@ void add_rms_norm_rows(at::ScalarType dtype, const void* x, const void* y, void*
 void rotary_rows(at::ScalarType dtype, const void* src, int64_t row_stride, int64_t head_stride, int64_t rows,
                  int64_t heads, int64_t D, int64_t R, const int64_t* positions, const float* cos, const float* sin,
                  void* dst) {
-  with_activation_type(dtype, "rotary", [&](auto tag) {
-    using T = decltype(tag);
+  LOOM_ACTIVATION_TYPES(dtype, "rotary", [&] {
+    using T = scalar_t;
     over_rows(rows, heads * D, [&](int64_t b0, int64_t b1) {
       rotate(static_cast<const T*>(src), row_stride, head_stride, b0, b1, heads, D, R, positions, cos, sin,
              static_cast<T*>(dst));
@@ -249,23 +242,31 @@ void rotary_rows(at::ScalarType dtype, const void* src, int64_t row_stride, int6
 }
 
 void silu_and_mul_rows(at::ScalarType dtype, const void* gate_up, int64_t stride, int64_t rows, int64_t I, void* out) {
-  with_activation_type(dtype, "silu_and_mul", [&](auto tag) {
-    using T = decltype(tag);
+  LOOM_ACTIVATION_TYPES(dtype, "silu_and_mul", [&] {
+    using T = scalar_t;
     over_rows(rows, 2 * I, [&](int64_t b0, int64_t b1) {
       silu_mul(static_cast<const T*>(gate_up), stride, b0, b1, I, static_cast<T*>(out));
     });
   });
 }
 
+#undef LOOM_ACTIVATION_TYPES
 #pragma GCC pop_options
 
 namespace {
+
+// The operators' activations are the layers': fp32 or bf16.
+void check_activations(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": activations must be float32 or bfloat16, got ", x.scalar_type());
+}
 
 // x [..., H] -> w * round(x / rms(x)), w [H] of x's dtype.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x_in.size(-1) &&
                   weight.scalar_type() == x_in.scalar_type(),
               "rms_norm: x [..., H] and weight [H] of one dtype");
+  check_activations(x_in, "rms_norm");
   const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t H = x.size(-1);
@@ -282,6 +283,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions_in, const 
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
                   q.scalar_type() == k.scalar_type(),
               "rotary: q [T, H, D] and k [T, KVH, D] of one dtype");
+  check_activations(q, "rotary");
   const int64_t T = q.size(0), D = q.size(2), R = rotary_dim ? rotary_dim : D;
   TORCH_CHECK(0 < R && R <= D && R % 2 == 0, "rotary: rotary_dim ", rotary_dim, " must be even and within ", D);
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
@@ -306,6 +308,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions_in, const 
 // gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I].
 at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
   TORCH_CHECK(gate_up_in.dim() >= 1 && gate_up_in.size(-1) % 2 == 0, "silu_and_mul: gate_up [..., 2I]");
+  check_activations(gate_up_in, "silu_and_mul");
   const at::Tensor gate_up = gate_up_in.contiguous();
   const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
   std::vector<int64_t> sizes = gate_up.sizes().vec();
