@@ -47,7 +47,38 @@ def test_every_kernel_matches_reference(kernel, dtype, bound, tokens, in_feature
     assert out.dtype == dtype and out.shape == (tokens, out_features)
     assert (out.double() - ref).abs().max() / ref.abs().max() < bound
     assert torch.equal(layer.unpacked_weight(), linear.weight)
-    assert layer.packed == (kernel == "panel")
+    assert layer.packed == (kernel in ("panel", "amx"))
+
+
+AMX = PANELS and dispatch.amx_tiles()
+NO_AMX = "no AMX here (or the kernels were built without it): Loom's AMX kernel does not run"
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@pytest.mark.parametrize("tokens", [1, 16, 17, 32, 33, 300])
+@pytest.mark.parametrize("in_features, out_features", [(768, 96), (201, 70), (2050, 33)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_amx_tiles_match_reference(tokens, in_features, out_features, dtype):
+    """Rows in tiles of 16 and blocks of 32, whole and partial; inputs in whole blocks of 32 (768)
+    and with pairs after the last one (201: odd, padded; 2050); a partial last panel. bf16
+    weights, activations in bf16 or fp32 (rounded to bf16 first), as the dense bf16 kernel takes them."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    layer = DenseLinear(linear, ((1, "amx"),))
+    x = torch.randn(tokens, in_features, dtype=dtype)
+    ref = x.bfloat16().double() @ linear.weight.double().t()
+    out = layer.amx(x)
+    assert out.dtype == dtype and out.shape == (tokens, out_features)
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-2
+    panel = layer.panel(x.bfloat16()).double()  # the same sums in another order, each rounded to bf16
+    torch.testing.assert_close(out.bfloat16().double(), panel, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+def test_amx_refuses_fp32_weights():
+    layer = DenseLinear(nn.Linear(64, 32), ((1, "panel"),))
+    with pytest.raises(RuntimeError, match="amx_linear: w must be bf16"):
+        torch.ops.loom.amx_linear(torch.randn(4, 64), layer.weight, 32)
 
 
 def test_swap_keeps_outputs_and_refuses_other_dtypes():

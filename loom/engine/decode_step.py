@@ -9,7 +9,7 @@ row takes as its token without a scan of its own.
 
 It serves the steps it can compute exactly as the model does: a `LlamaForCausalLM` (Llama,
 Mistral, Qwen2; MHA, GQA, MQA) in one process, every linear layer on Loom's own kernels at the
-step's batch size (the panel and weight-only kernels, by each layer's dispatch plan), rotary on
+step's batch size (the panel, AMX and weight-only kernels, by each layer's dispatch plan), rotary on
 every dim, attention by Loom's C++ backend, and no KV policy scoring the step. Other steps run
 through the compiled decode graphs.
 """
@@ -88,11 +88,13 @@ class DecodeStep:
 
     def _add_linear(self, linear: DenseLinear | WeightOnlyLinear, dtype: torch.dtype) -> None:
         bias = None if linear.bias is None else linear.bias.to(dtype)
+        # The plan as the C++ step reads it: the bound of each entry, and whether it runs AMX tiles.
+        bounds, amx = [bound for bound, _ in linear.plan], [kernel == "amx" for _, kernel in linear.plan]
         if isinstance(linear, DenseLinear):
-            self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features)
+            self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features, bounds, amx)
         else:
             self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
-                                 linear.group_size, linear.out_features)
+                                 linear.group_size, linear.out_features, bounds, amx)
 
     @staticmethod
     def build(model: torch.nn.Module, cache: KVCache, max_batch: int) -> DecodeStep | None:

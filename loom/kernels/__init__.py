@@ -13,6 +13,7 @@ eager calls cost no Python.
   write_kv, quantize_kv, move_head_slots  stores into the pool (an int8 pool's rows quantized
                           first) and moves within it
   dense_linear            fp32 / bf16 linear layers over panel-layout weights (linear.cpp)
+  amx_linear, amx_tiles   the bf16 ones through AMX tiles, for many rows (CPUs with AMX)
   int8_linear, int4_linear  weight-only matmuls over the same panels (linear.cpp)
   int8_dequantize, int4_dequantize  the same weights as a bf16 matrix, for large prefill chunks
   linear_isa              which vector path those kernels were built with (AVX-512 BF16, AVX2)
@@ -158,5 +159,9 @@ def _register_fakes() -> None:
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @torch.library.register_fake("loom::dense_linear")
+    def _(x, w, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("loom::amx_linear")
     def _(x, w, out_features):
         return x.new_empty(x.shape[0], out_features)

@@ -40,6 +40,7 @@
 
 // The kernels this step calls (linear.cpp, paged_attention.cpp; the same library).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& zero, int64_t group_size, int64_t N);
@@ -71,14 +72,26 @@ struct Linear {
   at::Tensor weight;  // panel-layout weights (fp32 / bf16), or the int8 / int4 codes
   std::optional<at::Tensor> scale, zero, bias;
   int64_t group_size, out_features;
+  // A bf16 panel layer's dispatch plan, as loom/layers/dispatch.py's `choose` reads it: up to
+  // plan_bounds[i] rows (the last entry: any number) through AMX tiles where plan_amx[i].
+  std::vector<int64_t> plan_bounds, plan_amx;
+
+  bool amx(int64_t rows) const {
+    size_t i = 0;
+    while (i + 1 < plan_bounds.size() && rows > plan_bounds[i]) ++i;
+    return i < plan_amx.size() && plan_amx[i];
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     // Named as the operators are, so that a profile of the step counts them alike.
-    static constexpr const char* kNames[] = {"loom::dense_linear", "loom::int8_linear", "loom::int4_linear"};
-    RECORD_FUNCTION(kNames[kind], std::vector<c10::IValue>());
-    at::Tensor y = kind == kPanel  ? dense_linear(x, weight, out_features)
-                   : kind == kInt8 ? int8_linear(x, weight, *scale)
-                                   : int4_linear(x, weight, *scale, zero, group_size, out_features);
+    static constexpr const char* kNames[] = {"loom::dense_linear", "loom::int8_linear", "loom::int4_linear",
+                                             "loom::amx_linear"};
+    const bool tiles = kind == kPanel && amx(x.size(0));
+    RECORD_FUNCTION(kNames[tiles ? 3 : kind], std::vector<c10::IValue>());
+    at::Tensor y = tiles           ? amx_linear(x, weight, out_features)
+                   : kind == kPanel ? dense_linear(x, weight, out_features)
+                   : kind == kInt8  ? int8_linear(x, weight, *scale)
+                                    : int4_linear(x, weight, *scale, zero, group_size, out_features);
     if (bias) y.add_(*bias);  // rounded once to y's dtype, as eager's out + bias
     return y;
   }
@@ -184,9 +197,11 @@ struct DecodeStep {
   }
 
   void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale, std::optional<at::Tensor> zero,
-                  std::optional<at::Tensor> bias, int64_t group_size, int64_t out_features) {
+                  std::optional<at::Tensor> bias, int64_t group_size, int64_t out_features,
+                  std::vector<int64_t> plan_bounds, std::vector<int64_t> plan_amx) {
     TORCH_CHECK(kind >= Linear::kPanel && kind <= Linear::kInt4, "DecodeStep: unknown linear kind ", kind);
-    linears.push_back(Linear{kind, weight, scale, zero, bias, group_size, out_features});
+    TORCH_CHECK(plan_bounds.size() == plan_amx.size(), "DecodeStep: a plan's bounds and kernels pair up");
+    linears.push_back(Linear{kind, weight, scale, zero, bias, group_size, out_features, plan_bounds, plan_amx});
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> pools) {

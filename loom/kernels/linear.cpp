@@ -37,7 +37,8 @@
 // then vpmaddwd with ones (-> int32), with int8 weights' sign moved onto the activations first
 // (|q| x sign(a, q)), since u = q + 128 times an int8 would overflow int16. Without either the
 // quantized kernels dequantize with plain loops and call a bf16 GEMM (correct, slow), and the
-// engine leaves dense layers to torch.
+// engine leaves dense layers to torch. Built on a CPU with AMX, bf16 panels also run through its
+// tile dot products (amx_linear), for steps of many rows.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -65,6 +66,11 @@
 #if defined(LOOM_LINEAR_AVX512) || defined(LOOM_LINEAR_AVX2)
 #define LOOM_LINEAR_PANELS 1  // dense_linear and the weight-only kernels exist
 #include <immintrin.h>
+#endif
+#if defined(LOOM_LINEAR_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LOOM_LINEAR_AMX 1  // amx_linear exists (Intel Xeon since Sapphire Rapids)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -547,15 +553,9 @@ void for_each_panel(int64_t num_panels, F f) {
   });
 }
 
-// y [M, N] in x's dtype (fp32 or bf16 written by the tiles; others converted from fp32);
-// tile(panel, m0, rows tag, pointer to y[m0, 32 * panel]) computes one tile.
-template <int MaxRows, typename Tile>
-at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
-  auto run = [&](auto* yp) {
-    for_each_panel(panels(N), [&](int64_t p) {
-      for_each_tile<MaxRows>(M, [&](int64_t m0, auto rows) { tile(p, m0, rows, yp + m0 * N + p * kPanel); });
-    });
-  };
+// y [M, N] in x's dtype: run(pointer to y) writes it as bf16 (bf16 x) or fp32 (then converted).
+template <typename Run>
+at::Tensor output_of(int64_t M, int64_t N, const at::Tensor& x, Run run) {
   if (x.scalar_type() == at::kBFloat16) {
     at::Tensor y = at::empty({M, N}, x.options());
     run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
@@ -564,6 +564,16 @@ at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   run(y.data_ptr<float>());
   return output_like(y, x);
+}
+
+// y [M, N] in x's dtype; tile(panel, m0, rows tag, pointer to y[m0, 32 * panel]) computes one tile.
+template <int MaxRows, typename Tile>
+at::Tensor run_panels(int64_t M, int64_t N, const at::Tensor& x, Tile tile) {
+  return output_of(M, N, x, [&](auto* yp) {
+    for_each_panel(panels(N), [&](int64_t p) {
+      for_each_tile<MaxRows>(M, [&](int64_t m0, auto rows) { tile(p, m0, rows, yp + m0 * N + p * kPanel); });
+    });
+  });
 }
 
 #ifdef LOOM_LINEAR_AVX512
@@ -821,6 +831,69 @@ const uint16_t* check_int4(const at::Tensor& q, const at::Tensor& scale, const s
   return reinterpret_cast<const uint16_t*>(zero->data_ptr<at::BFloat16>());
 }
 
+#ifdef LOOM_LINEAR_AMX
+// AMX: bf16 panels through tile dot products. The bf16 panel layout is already what a B tile of
+// tdpbf16ps reads: 16 rows of bf16 pairs for 16 channels, 64 bytes a row. Pairs q .. q + 15 of a
+// panel's channels 0-15 are the first 64 bytes of its steps q .. q + 15 (128 bytes apart), channels
+// 16-31 the second 64. So one weight layout serves the vector kernel (few rows) and the tiles
+// (many), and neither repacks anything per call.
+
+// Linux lends a process the tiles' register state only once it asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the answer holds for every thread.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles 0-3 accumulate C (16 rows x 16 fp32 channels: rows 0-15 / 16-31 times channels 0-15 /
+// 16-31), tiles 4-5 hold 16 rows of x (32 bf16 inputs), tiles 6-7 the panel's two channel halves
+// over 16 pairs. The configuration is a thread's state, and torch's other AMX users (oneDNN) load
+// their own: each panel's work loads this one first.
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, 16 * RowTiles) of x (bf16, ldx elements a row) times `blocks` blocks of 16 pairs of
+// one panel -> c [16 * RowTiles][32] fp32.
+template <int RowTiles>
+inline void amx_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t blocks, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* w = panel + b * 16 * 64;
+    _tile_loadd(6, w, kStepBytes);
+    _tile_loadd(7, w + 32, kStepBytes);
+    _tile_loadd(4, x + b * 32, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RowTiles == 2) {
+      _tile_loadd(5, x + 16 * ldx + b * 32, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 32 * sizeof(float));
+  _tile_stored(1, c + 16, 32 * sizeof(float));
+  if constexpr (RowTiles == 2) {
+    _tile_stored(2, c + 16 * 32, 32 * sizeof(float));
+    _tile_stored(3, c + 16 * 32 + 16, 32 * sizeof(float));
+  }
+}
+#endif
+
 }  // namespace
 
 // The operators (and decode_step.cpp's calls).
@@ -914,6 +987,64 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 #endif
 }
 
+// dense_linear's bf16 product through AMX tiles (bf16 weights only): the kernel for many rows,
+// where the vector kernel's broadcasts cap it at the CPU's vector dot-product rate.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels(N),
+              "amx_linear: x [M, K], w [ceil(N/32), ...] contiguous (the panel layout)");
+  const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == pairs * 2 * kPanel,
+              "amx_linear: w must be bf16 [ceil(N/32), ceil(K/2) * 64]");
+#ifdef LOOM_LINEAR_AMX
+  TORCH_CHECK(amx_permitted(), "amx_linear: the OS did not grant this process AMX's tile state");
+  // x as bf16 with K padded to even, and rows padded with zeros to whole tiles of 16.
+  at::Tensor xb = bf16_input(x, 2 * pairs);
+  const int64_t padded_m = (M + 15) / 16 * 16;
+  if (padded_m != M) xb = at::constant_pad_nd(xb, {0, 0, 0, padded_m - M});
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const int64_t ldx = 2 * pairs, blocks = pairs / 16;
+  return output_of(M, N, x, [&](auto* y) {
+    for_each_panel(panels(N), [&](int64_t p) {
+      configure_tiles();
+      const uint16_t* panel = wp + p * pairs * kPanel * 2;
+      alignas(64) float c[32 * 32];
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        if (rows > 16)
+          amx_tile<2>(xp + m0 * ldx, ldx, panel, blocks, c);
+        else
+          amx_tile<1>(xp + m0 * ldx, ldx, panel, blocks, c);
+        for (int64_t m = 0; m < rows; ++m) {
+          __m512 acc0 = _mm512_load_ps(c + m * 32), acc1 = _mm512_load_ps(c + m * 32 + 16);
+          for (int64_t q = blocks * 16; q < pairs; ++q) {  // the pairs after the last whole block
+            __m512i b0, b1;
+            load_step(panel, q, b0, b1);
+            const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(
+                reinterpret_cast<const uint32_t*>(xp + (m0 + m) * ldx)[q]));
+            acc0 = dot_bf16(acc0, b0, a);
+            acc1 = dot_bf16(acc1, b1, a);
+          }
+          store_panel_row(y + (m0 + m) * N + p * kPanel, acc0, acc1, nullptr, N - p * kPanel);
+        }
+      }
+      _tile_release();
+    });
+  });
+#else
+  TORCH_CHECK(false, "amx_linear: this build has no AMX kernels (built on a CPU without AMX)");
+#endif
+}
+
+// Whether amx_linear runs here: built with AMX, and the OS lends this process the tiles.
+bool amx_tiles() {
+#ifdef LOOM_LINEAR_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // The whole matrix in bf16 [N, K], for the large-batch path (a bf16 GEMM on the result).
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t K) {
   check_int8(q, scale, K);
@@ -985,7 +1116,9 @@ std::string linear_isa() {
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("linear_isa() -> str", &linear_isa);
+  m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("dense_linear(Tensor x, Tensor w, int out_features) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor w, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int group_size, int out_features) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, int in_features) -> Tensor");
@@ -995,6 +1128,7 @@ TORCH_LIBRARY_FRAGMENT(loom, m) {
 TORCH_LIBRARY_IMPL(loom, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("dense_linear", &dense_linear);
+  m.impl("amx_linear", &amx_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("int4_dequantize", &int4_dequantize);

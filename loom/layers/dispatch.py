@@ -30,10 +30,11 @@ from loom.kernels import load_kernels
 Plan = tuple[tuple[int, str], ...]
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
-# What each format can run, Loom's own kernel first (it needs AVX-512 BF16 or AVX2). A kernel named
-# *_fp32 runs its GEMM in fp32 whatever the activations' dtype.
-_OWN = {"fp32": "panel", "bf16": "panel", "int8": "weight_only", "int4": "weight_only"}
-OWN_KERNELS = frozenset(_OWN.values())  # Loom's own kernels; every other candidate is a torch GEMM
+# What each format can run, Loom's own kernels first (they need AVX-512 BF16 or AVX2; "amx", the
+# bf16 panels through AMX tiles, needs AMX too). A kernel named *_fp32 runs its GEMM in fp32
+# whatever the activations' dtype.
+_OWN = {"fp32": ("panel",), "bf16": ("panel", "amx"), "int8": ("weight_only",), "int4": ("weight_only",)}
+OWN_KERNELS = frozenset(k for own in _OWN.values() for k in own)  # every other candidate is a torch GEMM
 _GEMMS = {"fp32": ("gemm",), "bf16": ("gemm", "gemm_fp32"), "int8": ("dequantized", "dequantized_fp32"),
           "int4": ("dequantized", "dequantized_fp32")}
 # The activations each format is calibrated with: the dtype its models run in.
@@ -41,21 +42,24 @@ CALIBRATION_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torc
 # One decoder layer of the 134M reference Llama as Loom runs it (fused QKV, O, fused gate/up,
 # down), out x in: the shapes the project's benchmarks run.
 REFERENCE_SHAPES = ((2304, 768), (768, 768), (4096, 768), (768, 2048))
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Up to the scheduler's default tokens per step (a whole 2048-token prompt is one step).
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 # Until `loom calibrate --linears` has measured the machine. AVX-512 BF16 without AMX (AMD Zen 4,
 # on the reference model's layers): Loom's kernels lead every torch GEMM at every count up to 512
 # in every format; at 512 tokens the int8 kernel takes half the time of dequantize-then-GEMM and
-# the panel kernel 0.74x of oneDNN's bf16 GEMM. AMX: oneDNN's bf16 GEMM was 3x the panel kernel at
-# 32 tokens on a 4096 x 4096 layer. AVX2 (AMD Zen 3): the panel kernels (bf16 widening in
+# the panel kernel 0.74x of oneDNN's bf16 GEMM. AMX (an Intel Xeon, family 6 model 167): Loom's AMX
+# tiles are level with the panel kernel up to 4 tokens, 3x / 6.6x as fast at 32 / 512, and lead
+# oneDNN's bf16 GEMM (which unpacks the panels at each call) up to 1024 tokens, at 2048 0.76x of it;
+# the integer kernels lead dequantize-then-GEMM up to 128 (int8) and 64 (int4) tokens. AVX2 (AMD Zen 3): the panel kernels (bf16 widening in
 # registers) lead torch's fp32 GEMM at every count up to 512 (1.2x and 1.75x there), and the
 # integer kernels every dequantizing GEMM up to 512. Without either build: torch's bf16 GEMM costs
 # each row as one more matrix-vector product, behind a widening fp32 GEMM from 16 tokens.
 DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
     "avx512_bf16": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
                     "int4": ((1, "weight_only"),)},
-    "amx": {"fp32": ((1, "panel"),), "bf16": ((16, "panel"), (17, "gemm")),
-            "int8": ((16, "weight_only"), (17, "dequantized")), "int4": ((16, "weight_only"), (17, "dequantized"))},
+    "amx": {"fp32": ((1, "panel"),), "bf16": ((4, "panel"), (1024, "amx"), (1025, "gemm")),
+            "int8": ((128, "weight_only"), (129, "dequantized")), "int4": ((64, "weight_only"), (65, "dequantized"))},
     "avx2": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
              "int4": ((1, "weight_only"),)},
     "other": {"fp32": ((1, "gemm"),), "bf16": ((8, "gemm"), (9, "gemm_fp32")),
@@ -81,23 +85,27 @@ def native_bf16() -> bool:
     return linear_isa() == "avx512_bf16"
 
 
+@cache
+def amx_tiles() -> bool:
+    """Whether Loom's AMX kernel runs here: built on a CPU with AMX, which the OS lends this process."""
+    load_kernels()
+    return torch.ops.loom.amx_tiles()
+
+
 def candidates(fmt: str, panels: bool) -> tuple[str, ...]:
     """The kernels a layer of format `fmt` can run here."""
-    return ((_OWN[fmt],) if panels else ()) + _GEMMS[fmt]
+    own = tuple(k for k in _OWN[fmt] if k != "amx" or amx_tiles()) if panels else ()
+    return own + _GEMMS[fmt]
 
 
 @cache
 def cpu_family() -> str:
-    """"amx", "avx512_bf16", "avx2" (the panel kernels run, in that build) or "other"."""
+    """"amx" (Loom's AMX kernel runs), "avx512_bf16", "avx2" (the panel kernels run, in that
+    build) or "other"."""
     isa = linear_isa()
     if isa != "avx512_bf16":
         return isa or "other"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "amx" if "amx_bf16" in flags else "avx512_bf16"
+    return "amx" if amx_tiles() else "avx512_bf16"
 
 
 def plan_path() -> Path:

@@ -5,7 +5,8 @@ tensor-parallel slicing all see ordinary weights); `use_dense_linears` then swap
 bf16 one for a `DenseLinear`, which runs, by tokens per step, the kernel its dispatch plan names
 (loom/layers/dispatch.py): `loom::dense_linear` over weights reordered once into panels of 32
 output channels (loom/kernels/linear.cpp; CPUs with AVX-512 BF16 or AVX2, where it streams weights
-near the machine's read bandwidth at batch 1), or torch's GEMM in the weights' dtype or in fp32. The
+near the machine's read bandwidth at batch 1), `loom::amx_linear` over the same bf16 panels (AMX
+tiles, for many tokens), or torch's GEMM in the weights' dtype or in fp32. The
 weight-only quantized layers (loom/quant/linear.py) use the same panels and the same dispatch.
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DenseLinear(nn.Module):
         if w.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DenseLinear: weights must be float32 or bfloat16, got {w.dtype}")
         self.plan = plan or load_plan("fp32" if w.dtype == torch.float32 else "bf16")
-        self.packed = any(kernel == "panel" for _, kernel in self.plan)
+        self.packed = any(kernel in ("panel", "amx") for _, kernel in self.plan)
         if not self.packed:
             self.weight = w.contiguous()
         else:
@@ -77,6 +78,9 @@ class DenseLinear(nn.Module):
 
     def panel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.loom.dense_linear(x, self.weight, self.out_features)
+
+    def amx(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.loom.amx_linear(x, self.weight, self.out_features)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.unpacked_weight())
