@@ -45,16 +45,19 @@ REFERENCE_SHAPES = ((2304, 768), (768, 768), (4096, 768), (768, 2048))
 # Up to the scheduler's default tokens per step (a whole 2048-token prompt is one step).
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
-# Until `loom calibrate --linears` has measured the machine. AVX-512 BF16 without AMX (AMD Zen 4,
-# on the reference model's layers): Loom's kernels lead every torch GEMM at every count up to 512
-# in every format; at 512 tokens the int8 kernel takes half the time of dequantize-then-GEMM and
-# the panel kernel 0.74x of oneDNN's bf16 GEMM. AMX (an Intel Xeon, family 6 model 167): Loom's AMX
-# tiles are level with the panel kernel up to 4 tokens, 3x / 6.6x as fast at 32 / 512, and lead
-# oneDNN's bf16 GEMM (which unpacks the panels at each call) up to 1024 tokens, at 2048 0.76x of it;
-# the integer kernels lead dequantize-then-GEMM up to 128 (int8) and 64 (int4) tokens. AVX2 (AMD Zen 3): the panel kernels (bf16 widening in
-# registers) lead torch's fp32 GEMM at every count up to 512 (1.2x and 1.75x there), and the
-# integer kernels every dequantizing GEMM up to 512. Without either build: torch's bf16 GEMM costs
-# each row as one more matrix-vector product, behind a widening fp32 GEMM from 16 tokens.
+# Until `loom calibrate --linears` has measured the machine. Measured on the reference model's layers:
+# - AVX-512 BF16 without AMX (AMD Zen 4): Loom's kernels lead every torch GEMM at every count up to
+#   512 in every format. At 512 tokens the int8 kernel takes half the time of dequantize-then-GEMM,
+#   and the panel kernel 0.74x of oneDNN's bf16 GEMM.
+# - AMX (an Intel Xeon, family 6 model 167): Loom's AMX tiles are level with the panel kernel up to
+#   4 tokens and 3x / 7x as fast at 32 / 512. They lead oneDNN's bf16 GEMM (which unpacks the panels
+#   at each call) up to 1024 tokens, and take 1.3x its time at 2048. The integer kernels lead
+#   dequantize-then-GEMM up to 128 (int8) and 64 (int4) tokens.
+# - AVX2 (AMD Zen 3): the panel kernels (bf16 widening in registers) lead torch's fp32 GEMM at
+#   every count up to 512 (1.2x and 1.75x there), and the integer kernels every dequantizing GEMM
+#   up to 512.
+# - Without either build: torch's bf16 GEMM costs each row as one more matrix-vector product, and
+#   falls behind a widening fp32 GEMM from 16 tokens.
 DEFAULT_PLANS: dict[str, dict[str, Plan]] = {
     "avx512_bf16": {"fp32": ((1, "panel"),), "bf16": ((1, "panel"),), "int8": ((1, "weight_only"),),
                     "int4": ((1, "weight_only"),)},
@@ -168,13 +171,17 @@ def plan_from_times(tokens: list[int], ms: dict[str, list[float]], stickiness: f
 
 def _fastest_ms(kernels: dict[str, list[Callable[[], object]]], repeats: int) -> dict[str, float]:
     """Each kernel's fastest time of one call, a sample being a pass over its functions; the
-    kernels take turns, so a slower spell of the machine falls on all of them alike."""
+    kernels take turns, so a slower spell of the machine falls on all of them alike, and each
+    round starts with the next one, so that none always runs first, after the others have
+    filled the caches with their own data."""
     for fns in kernels.values():  # a warm pass
         for fn in fns:
             fn()
     best = dict.fromkeys(kernels, float("inf"))
-    for _ in range(repeats):
-        for name, fns in kernels.items():
+    names = list(kernels)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fns = kernels[name]
             start = clock.now()
             for fn in fns:
                 fn()
