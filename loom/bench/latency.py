@@ -179,8 +179,8 @@ def interleaved(runs: list[Callable[[], float]], repeats: int, settle: Callable[
 # Operators by where a decode step's time goes: the linear layers (every kernel their dispatch can
 # pick) and attention; everything else (the engine loop, sampling, the compiled graph's own
 # work and its small fused kernels) is the step's fixed cost.
-LINEAR_OPS = frozenset({"loom::dense_linear", "loom::int8_linear", "loom::int4_linear", "loom::int8_dequantize",
-                        "loom::int4_dequantize", "aten::mm", "aten::addmm", "aten::linear"})
+LINEAR_OPS = frozenset({"loom::dense_linear", "loom::amx_linear", "loom::int8_linear", "loom::int4_linear",
+                        "loom::int8_dequantize", "loom::int4_dequantize", "aten::mm", "aten::addmm", "aten::linear"})
 ATTENTION_OPS = frozenset({"loom::paged_decode_attention", "loom::paged_decode_attention_scored",
                            "loom::paged_prefill_attention", "aten::scaled_dot_product_attention"})
 
