@@ -112,6 +112,11 @@ class DecodeStep:
     def serves(self, meta: AttentionMetadata) -> bool:
         return meta.decode_scores is None and meta.row_exchange is None and meta.num_decode_tokens <= self.max_batch
 
+    def linear_ops(self, rows: int) -> list[str]:
+        """The operator each linear layer runs at a step of `rows` rows (by registered name), in
+        the step's order: four a layer, then the LM head."""
+        return self.step.linear_ops(rows)
+
     def time_kernels(self, on: bool) -> None:
         """Starts (or stops) adding up the time the steps spend in the linear layers (the LM head
         among them) and in attention, from zero (`kernel_seconds`): a benchmark's split of the

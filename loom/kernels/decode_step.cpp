@@ -34,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -76,18 +77,23 @@ struct Linear {
   // plan_bounds[i] rows (the last entry: any number) through AMX tiles where plan_amx[i].
   std::vector<int64_t> plan_bounds, plan_amx;
 
-  bool amx(int64_t rows) const {
+  bool tiles(int64_t rows) const {
+    if (kind != kPanel) return false;
     size_t i = 0;
     while (i + 1 < plan_bounds.size() && rows > plan_bounds[i]) ++i;
     return i < plan_amx.size() && plan_amx[i];
   }
 
+  // The operator this layer runs for a step of `rows` rows, by its registered name (so that a
+  // profile of the step counts the calls as the operators' own).
+  const char* op(int64_t rows) const {
+    static constexpr const char* kNames[] = {"loom::dense_linear", "loom::int8_linear", "loom::int4_linear"};
+    return tiles(rows) ? "loom::amx_linear" : kNames[kind];
+  }
+
   at::Tensor operator()(const at::Tensor& x) const {
-    // Named as the operators are, so that a profile of the step counts them alike.
-    static constexpr const char* kNames[] = {"loom::dense_linear", "loom::int8_linear", "loom::int4_linear",
-                                             "loom::amx_linear"};
-    const bool tiles = kind == kPanel && amx(x.size(0));
-    RECORD_FUNCTION(kNames[tiles ? 3 : kind], std::vector<c10::IValue>());
+    const bool tiles = this->tiles(x.size(0));
+    RECORD_FUNCTION(op(x.size(0)), std::vector<c10::IValue>());
     at::Tensor y = tiles           ? amx_linear(x, weight, out_features)
                    : kind == kPanel ? dense_linear(x, weight, out_features)
                    : kind == kInt8  ? int8_linear(x, weight, *scale)
@@ -217,6 +223,13 @@ struct DecodeStep {
     void* keys = key_pool.data_ptr();
     void* values = pools[1].data_ptr();
     layers.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(pools), keys, values});
+  }
+
+  // The operator each linear layer runs at a step of `rows` rows, in the step's order.
+  std::vector<std::string> linear_ops(int64_t rows) const {
+    std::vector<std::string> ops;
+    for (const Linear& l : linears) ops.emplace_back(l.op(rows));
+    return ops;
   }
 
   void set_timing(bool on) {
@@ -392,6 +405,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("add_linear", &DecodeStep::add_linear)
       .def("add_layer", &DecodeStep::add_layer)
+      .def("linear_ops", &DecodeStep::linear_ops)
       .def("set_timing", &DecodeStep::set_timing)
       .def("timings", &DecodeStep::timings)
       .def("run", &DecodeStep::run, pybind11::call_guard<pybind11::gil_scoped_release>());
