@@ -848,22 +848,10 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Tiles 0-3 accumulate C (16 rows x 16 fp32 channels: rows 0-15 / 16-31 times channels 0-15 /
-// 16-31), tiles 4-5 hold 16 rows of x (32 bf16 inputs), tiles 6-7 the panel's two channel halves
-// over 16 pairs. The configuration is a thread's state, and torch's other AMX users (oneDNN) load
-// their own: each panel's work loads this one first.
-void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
-}
-
 // Rows [0, 16 * RowTiles) of x (bf16, ldx elements a row) times `blocks` blocks of 16 pairs of
-// one panel -> c [16 * RowTiles][32] fp32.
+// one panel -> c [16 * RowTiles][32] fp32. Tiles 0-3 accumulate c (rows 0-15 / 16-31 times
+// channels 0-15 / 16-31), tiles 4-5 hold 16 rows of x (32 bf16 inputs), tiles 6-7 the panel's two
+// channel halves over 16 pairs.
 template <int RowTiles>
 inline void amx_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t blocks, float* c) {
   _tile_zero(0);
@@ -895,6 +883,23 @@ inline void amx_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int6
 #endif
 
 }  // namespace
+
+#ifdef LOOM_LINEAR_AMX
+// Eight tiles of 16 rows x 64 bytes, the shape of every tile Loom's kernels use (here and in
+// paged_attention.cpp). The configuration is a thread's state, and torch's other AMX users
+// (oneDNN) load their own: each stretch of tile work loads this one first. It is constant data:
+// GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the rest of a configuration
+// built on the stack may never be stored (ldtilecfg then faults on garbage).
+void configure_amx_tiles() {
+  struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+  static constexpr TileConfig config{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+  _tile_loadconfig(&config);
+}
+#endif
 
 // The operators (and decode_step.cpp's calls).
 at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t K);
@@ -1006,7 +1011,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   const int64_t ldx = 2 * pairs, blocks = pairs / 16;
   return output_of(M, N, x, [&](auto* y) {
     for_each_panel(panels(N), [&](int64_t p) {
-      configure_tiles();
+      configure_amx_tiles();
       const uint16_t* panel = wp + p * pairs * kPanel * 2;
       alignas(64) float c[32 * 32];
       for (int64_t m0 = 0; m0 < M; m0 += 32) {

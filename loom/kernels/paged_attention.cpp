@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -44,6 +45,12 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LOOM_ATTENTION_AMX 1  // bf16 prefill through AMX tiles (Intel Xeon since Sapphire Rapids)
+// linear.cpp's: whether the OS lends this process the tiles, and their shape for every kernel.
+bool amx_tiles();
+void configure_amx_tiles();
 #endif
 
 namespace {
@@ -947,6 +954,105 @@ inline void values_dot(const uint16_t* p, int64_t ldp, int64_t rows, const c10::
 }
 #endif
 
+#ifdef LOOM_ATTENTION_AMX
+// Where the CPU has AMX, bf16 prefill takes both products through tiles (tdpbf16ps: a 16 x 16
+// fp32 tile adds a 16 x 32 bf16 tile times a 32 x 16 one, the latter given as 16 rows of bf16
+// pairs along the inner dimension). The keys and values become such rows once a call, in a
+// buffer each that every query tile then reads (the vector path interleaves each chunk of V anew
+// per tile): a block's keys as [D / 2, 16] (head dims d, d + 1 of a token a pair), its values as
+// [8, D] (tokens t, t + 1 of a head dim a pair), each kv head's blocks in table order, their count
+// rounded up to even, and tokens past the context zeros. Both products run two 16-row tiles of A
+// against two B tiles, into four accumulator tiles; the scores come out in fp32 for the same
+// softmax as the vector path's, whose bf16 probabilities are the second product's A.
+
+// The context's blocks of every kv head in the tiles' pair layouts, `blocks` (even) a head, each
+// 8 * D pairs: key_pairs [KVH, blocks, D / 2, 16], value_pairs [KVH, blocks, 8, D].
+void pack_tile_pairs(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* table, int64_t ctx,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t blocks, uint32_t* key_pairs,
+                     uint32_t* value_pairs) {
+  const __m512i order = pair_order();
+  at::parallel_for(0, num_kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t kvh = i / blocks, j = i % blocks, tokens = std::clamp<int64_t>(ctx - 16 * j, 0, 16);
+      uint32_t* kp = key_pairs + i * 8 * head_dim;
+      uint32_t* vp = value_pairs + i * 8 * head_dim;
+      if (tokens == 0) {  // the block that rounds the count up
+        std::fill(kp, kp + 8 * head_dim, 0u);
+        std::fill(vp, vp + 8 * head_dim, 0u);
+        continue;
+      }
+      // Token t's pair is words 2t, 2t + 1 of a row: the words of tokens past the context are zeroed.
+      const __mmask32 live = tokens == 16 ? ~__mmask32(0) : (__mmask32(1) << 2 * tokens) - 1;
+      const c10::BFloat16* k = head_block(k_cache, table, j, kvh, num_kv_heads, 16 * head_dim);
+      for (int64_t d = 0; d < head_dim; d += 2)  // rows d and d + 1 of the block: one 64-byte load
+        _mm512_storeu_si512(kp + d / 2 * 16, _mm512_maskz_permutexvar_epi16(live, order, _mm512_loadu_si512(k + d * 16)));
+      pack_value_pairs(v_cache, table, 16 * j, tokens, kvh, num_kv_heads, head_dim, vp);
+      std::fill(vp + (tokens + 1) / 2 * head_dim, vp + 8 * head_dim, 0u);
+    }
+  });
+}
+
+// Tiles 0-3 += tiles 4-5 (two row tiles of A) times tiles 6-7 (two B tiles).
+inline void tile_products() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// c[0:32, 0:32] (ldc floats a row) = tiles 0-3.
+inline void store_tiles(float* c, int64_t ldc) {
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+// s [rows, 16 * blocks] (lds floats a row) = q [rows, D] (bf16, D a row) times the keys of
+// `blocks` (even) blocks in pairs (key_pairs of one kv head), rows a multiple of 32, D of 32.
+inline void scores_tiles(const uint16_t* q, int64_t rows, int64_t head_dim, const uint32_t* kp, int64_t blocks,
+                         float* s, int64_t lds) {
+  for (int64_t m0 = 0; m0 < rows; m0 += 32)
+    for (int64_t j = 0; j < blocks; j += 2) {
+      const uint32_t* k = kp + j * 8 * head_dim;
+      zero_tiles();
+      for (int64_t d = 0; d < head_dim; d += 32) {
+        _tile_loadd(4, q + m0 * head_dim + d, head_dim * 2);
+        _tile_loadd(5, q + (m0 + 16) * head_dim + d, head_dim * 2);
+        _tile_loadd(6, k + d * 8, 64);
+        _tile_loadd(7, k + 8 * head_dim + d * 8, 64);
+        tile_products();
+      }
+      store_tiles(s + m0 * lds + 16 * j, lds);
+    }
+}
+
+// acc [rows, D] = p [rows, 16 * blocks] (bf16, ldp a row) times the values of `blocks` (even)
+// blocks in pairs (value_pairs of one kv head), rows a multiple of 32, D of 32.
+inline void values_tiles(const uint16_t* p, int64_t ldp, int64_t rows, const uint32_t* vp, int64_t blocks,
+                         int64_t head_dim, float* acc) {
+  for (int64_t m0 = 0; m0 < rows; m0 += 32)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+      zero_tiles();
+      for (int64_t t0 = 0; t0 < 16 * blocks; t0 += 32) {
+        _tile_loadd(4, p + m0 * ldp + t0, ldp * 2);
+        _tile_loadd(5, p + (m0 + 16) * ldp + t0, ldp * 2);
+        _tile_loadd(6, vp + t0 / 2 * head_dim + d0, head_dim * 4);
+        _tile_loadd(7, vp + t0 / 2 * head_dim + d0 + 16, head_dim * 4);
+        tile_products();
+      }
+      store_tiles(acc + m0 * head_dim + d0, head_dim);
+    }
+}
+#endif
+
 // Turns row s[0:visible] (scores yet to be multiplied by `scale`) into unnormalized
 // probabilities (0 for keys the row cannot see, whose scores may be anything) and returns its
 // log-sum-exp. Without key positions the row sees the keys up to `own`, its own key; with them,
@@ -1021,14 +1127,38 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
 #else
   const bool dot = false;
 #endif
+#ifdef LOOM_ATTENTION_AMX
+  // The AMX tiles serve the pair products' cases with head sizes of multiples of 32, where the OS
+  // lends them; the context's keys and values go into their pair layouts first.
+  bool amx = false;
+  const int64_t pair_blocks = (ctx + 31) / 32 * 2, pairs_per_head = pair_blocks * 8 * head_dim;
+  std::unique_ptr<uint32_t[]> paired_keys, paired_values;
+  if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
+    static_assert(kQueryTile % 32 == 0, "a task's rows fill whole pairs of row tiles");
+    amx = dot && head_dim % 32 == 0 && amx_tiles();
+    if (amx) {
+      paired_keys.reset(new uint32_t[num_kv_heads * pairs_per_head]);
+      paired_values.reset(new uint32_t[num_kv_heads * pairs_per_head]);
+      pack_tile_pairs(k_cache, v_cache, table, ctx, num_kv_heads, head_dim, pair_blocks, paired_keys.get(),
+                      paired_values.get());
+    }
+  }
+#else
+  const bool amx = false;
+#endif
   at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     // qf holds each kScoreRows rows' queries as [D, kScoreRows], or for the pair products qpairs
     // each kDotScoreRows rows' as bf16 pairs [D / 2, kDotScoreRows]; acc the outputs [rows, D].
     // With them, the probabilities also go to probs as bf16 [rows, lds], and value_pairs holds a
     // packed chunk of V.
+    // For the AMX tiles, qrows holds the rows' queries as bf16 [rows, D].
     std::vector<float> qf(dot ? 0 : rows * head_dim), acc(rows * head_dim), inv_sum(rows), scores;
-    std::vector<uint32_t> qpairs(dot ? rows * head_dim / 2 : 0), value_pairs(dot ? kValueChunk / 2 * head_dim : 0);
-    std::vector<uint16_t> probs;
+    std::vector<uint32_t> qpairs(dot && !amx ? rows * head_dim / 2 : 0),
+        value_pairs(dot && !amx ? kValueChunk / 2 * head_dim : 0);
+    std::vector<uint16_t> probs, qrows(amx ? rows * head_dim : 0);
+#ifdef LOOM_ATTENTION_AMX
+    if (amx) configure_amx_tiles();
+#endif
     // A task's kv head and first query (its tile's).
     auto task_of = [&](int64_t task) -> std::pair<int64_t, int64_t> {
       const int64_t k = task % tiles;
@@ -1044,7 +1174,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       const int64_t live = std::min(n - r0, kQueryTile);
       // Keys any row of the tile can see, and the length of a row of scores (whole blocks).
       const int64_t visible = key_positions ? ctx : first + r0 + live;
-      const int64_t lds = (visible + BS - 1) / BS * BS;
+      const int64_t lds = amx ? (visible + 31) / 32 * 32 : (visible + BS - 1) / BS * BS;  // the tiles: whole pairs of blocks
       // Grown, never shrunk: tiles alternate between cheap and dear, and a regrown vector zeroes
       // its new part every time.
       if (scores.size() < static_cast<size_t>(rows * lds)) scores.resize(rows * lds);
@@ -1052,9 +1182,14 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       // Rows past the chunk's end have zero queries and probabilities: computed, never stored.
       std::fill(qf.begin(), qf.end(), 0.f);
       std::fill(qpairs.begin(), qpairs.end(), 0u);
+      std::fill(qrows.begin(), qrows.end(), uint16_t{0});
       for (int64_t m = 0; m < rows; ++m) {
         if (m % kQueryTile >= live) continue;
         const T* qrow = q + row_offset(kvh, r0, m);
+        if (amx) {
+          std::memcpy(qrows.data() + m * head_dim, qrow, head_dim * sizeof(T));
+          continue;
+        }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (dot) {
           uint32_t* dst = qpairs.data() + (m / kDotScoreRows) * kDotScoreRows * head_dim / 2 + m % kDotScoreRows;
@@ -1066,7 +1201,11 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         for (int64_t i = 0; i < head_dim; ++i) dst[i * kScoreRows] = to_float(qrow, i) * scale;
       }
       const int64_t key_blocks = lds / BS;
-      for (int64_t j = 0; j < key_blocks;) {
+#ifdef LOOM_ATTENTION_AMX
+      if (amx) scores_tiles(qrows.data(), rows, head_dim, paired_keys.get() + kvh * pairs_per_head, key_blocks,
+                            scores.data(), lds);
+#endif
+      for (int64_t j = 0; !amx && j < key_blocks;) {
         float* s = scores.data() + j * BS;  // row 0's scores of block j; row m's lds further each
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (BS == 16 && std::is_same_v<T, c10::BFloat16>) {
@@ -1121,6 +1260,8 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         lse[r * num_heads + kvh * group + m / kQueryTile] =
             softmax_row(s, visible, first + r, key_positions, position, dot ? scale : 1.f, &inv_sum[m],
                         dot ? probs.data() + m * lds : nullptr);
+        if (amx)  // the tiles read whole pairs of blocks
+          std::fill(probs.begin() + m * lds + visible + visible % 2, probs.begin() + (m + 1) * lds, uint16_t{0});
       }
       if (task + 1 < end) {  // the next task's queries, scattered over q, on their way while the values run
         const auto [next_kvh, next_r0] = task_of(task + 1);
@@ -1131,9 +1272,14 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
             __builtin_prefetch(row + off);
         }
       }
+#ifdef LOOM_ATTENTION_AMX
+      if (amx)
+        values_tiles(probs.data(), lds, rows, paired_values.get() + kvh * pairs_per_head, key_blocks, head_dim,
+                     acc.data());
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (dot)
+        if (dot && !amx)
           values_dot(probs.data(), lds, rows, v_cache, table, visible, kvh, num_kv_heads, head_dim, value_pairs.data(),
                      acc.data());
       }
@@ -1162,6 +1308,9 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
         for (int64_t i = 0; i < head_dim; ++i) orow[i] = static_cast<T>(acc[m * head_dim + i] * inv_sum[m]);
       }
     }
+#ifdef LOOM_ATTENTION_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
