@@ -4,8 +4,9 @@
 // Decode: one task per (sequence, kv head): the query heads of the group share each K/V row
 // read, so every cached byte is read once per step. Scores go to a small per-task buffer;
 // softmax and the weighted V sum follow. Prefill: the same two passes for a tile of a chunk's
-// queries at once, in register tiles (see prefill_kernel). Both also return the log-sum-exp of
-// each row (Helix merges partial attention outputs with it).
+// queries at once, in register tiles (see prefill_kernel), or in bf16 on CPUs with AMX through
+// its tiles. Both also return the log-sum-exp of each row (Helix merges partial attention
+// outputs with it).
 //
 // KV-policy scores: a scored decode call also adds, for each row the policy scores, the row's
 // attention over each stored token (its query heads summed) to that sequence's accumulated
@@ -985,7 +986,8 @@ void pack_tile_pairs(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
       const __mmask32 live = tokens == 16 ? ~__mmask32(0) : (__mmask32(1) << 2 * tokens) - 1;
       const c10::BFloat16* k = head_block(k_cache, table, j, kvh, num_kv_heads, 16 * head_dim);
       for (int64_t d = 0; d < head_dim; d += 2)  // rows d and d + 1 of the block: one 64-byte load
-        _mm512_storeu_si512(kp + d / 2 * 16, _mm512_maskz_permutexvar_epi16(live, order, _mm512_loadu_si512(k + d * 16)));
+        _mm512_storeu_si512(kp + d / 2 * 16,
+                            _mm512_maskz_permutexvar_epi16(live, order, _mm512_loadu_si512(k + d * 16)));
       pack_value_pairs(v_cache, table, 16 * j, tokens, kvh, num_kv_heads, head_dim, vp);
       std::fill(vp + (tokens + 1) / 2 * head_dim, vp + 8 * head_dim, 0u);
     }
@@ -1150,8 +1152,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
     // qf holds each kScoreRows rows' queries as [D, kScoreRows], or for the pair products qpairs
     // each kDotScoreRows rows' as bf16 pairs [D / 2, kDotScoreRows]; acc the outputs [rows, D].
     // With them, the probabilities also go to probs as bf16 [rows, lds], and value_pairs holds a
-    // packed chunk of V.
-    // For the AMX tiles, qrows holds the rows' queries as bf16 [rows, D].
+    // packed chunk of V. For the AMX tiles, qrows holds the rows' queries as bf16 [rows, D].
     std::vector<float> qf(dot ? 0 : rows * head_dim), acc(rows * head_dim), inv_sum(rows), scores;
     std::vector<uint32_t> qpairs(dot && !amx ? rows * head_dim / 2 : 0),
         value_pairs(dot && !amx ? kValueChunk / 2 * head_dim : 0);
@@ -1172,9 +1173,10 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
     for (int64_t task = begin; task < end; ++task) {
       const auto [kvh, r0] = task_of(task);
       const int64_t live = std::min(n - r0, kQueryTile);
-      // Keys any row of the tile can see, and the length of a row of scores (whole blocks).
+      // Keys any row of the tile can see, and the length of a row of scores (whole blocks; for
+      // the AMX tiles, whole pairs of blocks).
       const int64_t visible = key_positions ? ctx : first + r0 + live;
-      const int64_t lds = amx ? (visible + 31) / 32 * 32 : (visible + BS - 1) / BS * BS;  // the tiles: whole pairs of blocks
+      const int64_t lds = amx ? (visible + 31) / 32 * 32 : (visible + BS - 1) / BS * BS;
       // Grown, never shrunk: tiles alternate between cheap and dear, and a regrown vector zeroes
       // its new part every time.
       if (scores.size() < static_cast<size_t>(rows * lds)) scores.resize(rows * lds);
