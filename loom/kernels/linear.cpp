@@ -848,12 +848,13 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Rows [0, 16 * RowTiles) of x (bf16, ldx elements a row) times `blocks` blocks of 16 pairs of
-// one panel -> c [16 * RowTiles][32] fp32. Tiles 0-3 accumulate c (rows 0-15 / 16-31 times
-// channels 0-15 / 16-31), tiles 4-5 hold 16 rows of x (32 bf16 inputs), tiles 6-7 the panel's two
-// channel halves over 16 pairs.
+// 16 * RowTiles rows of x (bf16, ldx elements a row; rows 0-15 from x0, 16-31 from x1) times
+// `blocks` blocks of 16 pairs of one panel -> c [16 * RowTiles][32] fp32. Tiles 0-3 accumulate c
+// (rows 0-15 / 16-31 times channels 0-15 / 16-31), tiles 4-5 hold 16 rows of x (32 bf16 inputs),
+// tiles 6-7 the panel's two channel halves over 16 pairs.
 template <int RowTiles>
-inline void amx_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t blocks, float* c) {
+inline void amx_tile(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* panel, int64_t blocks,
+                     float* c) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (RowTiles == 2) {
@@ -864,11 +865,11 @@ inline void amx_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int6
     const uint16_t* w = panel + b * 16 * 64;
     _tile_loadd(6, w, kStepBytes);
     _tile_loadd(7, w + 32, kStepBytes);
-    _tile_loadd(4, x + b * 32, ldx * 2);
+    _tile_loadd(4, x0 + b * 32, ldx * 2);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (RowTiles == 2) {
-      _tile_loadd(5, x + 16 * ldx + b * 32, ldx * 2);
+      _tile_loadd(5, x1 + b * 32, ldx * 2);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -1002,13 +1003,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
               "amx_linear: w must be bf16 [ceil(N/32), ceil(K/2) * 64]");
 #ifdef LOOM_LINEAR_AMX
   TORCH_CHECK(amx_permitted(), "amx_linear: the OS did not grant this process AMX's tile state");
-  // x as bf16 with K padded to even, and rows padded with zeros to whole tiles of 16.
-  at::Tensor xb = bf16_input(x, 2 * pairs);
-  const int64_t padded_m = (M + 15) / 16 * 16;
-  if (padded_m != M) xb = at::constant_pad_nd(xb, {0, 0, 0, padded_m - M});
+  // x as bf16 with K padded to even. A tile reads 16 rows: the rows after the last whole tile of
+  // 16 go to a tile of their own, padded with zeros (padding all of x would copy it).
+  const at::Tensor xb = bf16_input(x, 2 * pairs);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const int64_t ldx = 2 * pairs, blocks = pairs / 16;
+  const int64_t ldx = 2 * pairs, blocks = pairs / 16, whole = M / 16 * 16;
+  std::vector<uint16_t> tail(whole < M ? 16 * ldx : 0);
+  std::copy(xp + whole * ldx, xp + M * ldx, tail.begin());
+  // Row r0's tile of 16 (r0 a multiple of 16).
+  auto rows_from = [&](int64_t r0) { return r0 < whole ? xp + r0 * ldx : tail.data(); };
   return output_of(M, N, x, [&](auto* y) {
     for_each_panel(panels(N), [&](int64_t p) {
       configure_amx_tiles();
@@ -1017,9 +1021,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int64_t rows = std::min<int64_t>(32, M - m0);
         if (rows > 16)
-          amx_tile<2>(xp + m0 * ldx, ldx, panel, blocks, c);
+          amx_tile<2>(rows_from(m0), rows_from(m0 + 16), ldx, panel, blocks, c);
         else
-          amx_tile<1>(xp + m0 * ldx, ldx, panel, blocks, c);
+          amx_tile<1>(rows_from(m0), nullptr, ldx, panel, blocks, c);
         for (int64_t m = 0; m < rows; ++m) {
           __m512 acc0 = _mm512_load_ps(c + m * 32), acc1 = _mm512_load_ps(c + m * 32 + 16);
           for (int64_t q = blocks * 16; q < pairs; ++q) {  // the pairs after the last whole block
