@@ -47,7 +47,9 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// linear.cpp's condition for its AMX kernel, whose build defines the two functions below.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define LOOM_ATTENTION_AMX 1  // bf16 prefill through AMX tiles (Intel Xeon since Sapphire Rapids)
 // linear.cpp's: whether the OS lends this process the tiles, and their shape for every kernel.
 bool amx_tiles();
