@@ -22,7 +22,7 @@ import torch
 from loom.kernels import load_kernels
 from loom.kv.attention import AttentionMetadata, PagedAttention
 from loom.kv.cache import KVCache
-from loom.layers.dispatch import OWN_KERNELS, Plan
+from loom.layers.dispatch import OWN_KERNELS, Plan, choose
 from loom.layers.linear import DenseLinear
 from loom.models.llama import LlamaForCausalLM
 from loom.quant.linear import WeightOnlyLinear
@@ -88,13 +88,13 @@ class DecodeStep:
 
     def _add_linear(self, linear: DenseLinear | WeightOnlyLinear, dtype: torch.dtype) -> None:
         bias = None if linear.bias is None else linear.bias.to(dtype)
-        # The plan as the C++ step reads it: the bound of each entry, and whether it runs AMX tiles.
-        bounds, amx = [bound for bound, _ in linear.plan], [kernel == "amx" for _, kernel in linear.plan]
         if isinstance(linear, DenseLinear):
-            self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features, bounds, amx)
+            # Whether its plan runs AMX tiles, for each batch size the step serves.
+            tile_rows = [choose(linear.plan, rows) == "amx" for rows in range(self.max_batch + 1)]
+            self.step.add_linear(_KINDS["panel"], linear.weight, None, None, bias, 0, linear.out_features, tile_rows)
         else:
             self.step.add_linear(_KINDS[linear.method], linear.q, linear.scales, linear.zeros, bias,
-                                 linear.group_size, linear.out_features, bounds, amx)
+                                 linear.group_size, linear.out_features, [])
 
     @staticmethod
     def build(model: torch.nn.Module, cache: KVCache, max_batch: int) -> DecodeStep | None:

@@ -73,16 +73,12 @@ struct Linear {
   at::Tensor weight;  // panel-layout weights (fp32 / bf16), or the int8 / int4 codes
   std::optional<at::Tensor> scale, zero, bias;
   int64_t group_size, out_features;
-  // A bf16 panel layer's dispatch plan, as loom/layers/dispatch.py's `choose` reads it: up to
-  // plan_bounds[i] rows (the last entry: any number) through AMX tiles where plan_amx[i].
-  std::vector<int64_t> plan_bounds, plan_amx;
+  // tile_rows[r]: whether a step of r rows runs this bf16 panel layer through AMX tiles (its
+  // dispatch plan's choice, as loom/layers/dispatch.py's `choose` makes it for every batch size
+  // the step serves).
+  std::vector<int64_t> tile_rows;
 
-  bool tiles(int64_t rows) const {
-    if (kind != kPanel) return false;
-    size_t i = 0;
-    while (i + 1 < plan_bounds.size() && rows > plan_bounds[i]) ++i;
-    return i < plan_amx.size() && plan_amx[i];
-  }
+  bool tiles(int64_t rows) const { return rows < static_cast<int64_t>(tile_rows.size()) && tile_rows[rows]; }
 
   // The operator this layer runs for a step of `rows` rows, by its registered name (so that a
   // profile of the step counts the calls as the operators' own).
@@ -204,10 +200,10 @@ struct DecodeStep {
 
   void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale, std::optional<at::Tensor> zero,
                   std::optional<at::Tensor> bias, int64_t group_size, int64_t out_features,
-                  std::vector<int64_t> plan_bounds, std::vector<int64_t> plan_amx) {
+                  std::vector<int64_t> tile_rows) {
     TORCH_CHECK(kind >= Linear::kPanel && kind <= Linear::kInt4, "DecodeStep: unknown linear kind ", kind);
-    TORCH_CHECK(plan_bounds.size() == plan_amx.size(), "DecodeStep: a plan's bounds and kernels pair up");
-    linears.push_back(Linear{kind, weight, scale, zero, bias, group_size, out_features, plan_bounds, plan_amx});
+    TORCH_CHECK(kind == Linear::kPanel || tile_rows.empty(), "DecodeStep: only bf16 panel layers run AMX tiles");
+    linears.push_back(Linear{kind, weight, scale, zero, bias, group_size, out_features, std::move(tile_rows)});
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> pools) {
