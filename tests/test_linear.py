@@ -55,13 +55,15 @@ NO_AMX = "no AMX here (or the kernels were built without it): Loom's AMX kernel 
 
 
 @pytest.mark.skipif(not AMX, reason=NO_AMX)
-@pytest.mark.parametrize("tokens", [1, 16, 17, 32, 33, 300])
-@pytest.mark.parametrize("in_features, out_features", [(768, 96), (201, 70), (2050, 33)])
+@pytest.mark.parametrize("tokens", [1, 16, 17, 32, 33, 300, 600])
+@pytest.mark.parametrize("in_features, out_features", [(768, 96), (201, 70), (2050, 33), (2050, 900)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_amx_tiles_match_reference(tokens, in_features, out_features, dtype):
     """Rows in tiles of 16 and blocks of 32, whole and partial; inputs in whole blocks of 32 (768)
-    and with pairs after the last one (201: odd, padded; 2050); a partial last panel. bf16
-    weights, activations in bf16 or fp32 (rounded to bf16 first), as the dense bf16 kernel takes them."""
+    and with pairs after the last one (201: odd, padded; 2050); a partial last panel; x past half
+    of a 2 MB L2 (600 x 2050), whose panels go to the threads in groups (900 outputs: 29 panels,
+    the last group short). bf16 weights, activations in bf16 or fp32 (rounded to bf16 first), as
+    the dense bf16 kernel takes them."""
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
     layer = DenseLinear(linear, ((1, "amx"),))
