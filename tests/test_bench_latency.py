@@ -52,7 +52,7 @@ def test_breakdown_classifies_the_operators_a_decode_step_calls(gqa, quantizatio
     assert called.names & LINEAR_OPS and called.names & ATTENTION_OPS
 
 
-def test_step_time_splits_by_operator():
+def test_step_splits_by_operator_kind():
     """Each operator's own time lands in its kind (others in neither); a step's time less both
     kinds is "other"."""
     self_us = {"loom::int8_linear": 3000.0, "aten::mm": 1000.0, "loom::paged_decode_attention": 600.0,

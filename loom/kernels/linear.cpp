@@ -889,9 +889,9 @@ inline void amx_tile(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const 
 // and are as many as the threads, or a multiple, so that every thread gets as much. Smaller x
 // goes panel by panel (groups of one), which was faster there: it is in L2 anyway, and a
 // thread done early takes single panels from the other's share. On an AMX Xeon (2 cores, 2 MB of
-// L2 each) the 134M model's four layer shapes took 21.0 ms panel by panel at 2048 rows and 15.3
-// in groups; at 512 rows, where only the down projection's x (2 MB) goes in groups, 3.97 and
-// 3.72. Groups of a quarter or a half of L2 were no faster.
+// L2 each) the 134M model's four layer shapes took 21.2-21.8 ms panel by panel at 2048 rows and
+// 15.1-15.3 in groups (runs in turns); at 1024 rows 8.2-8.4 and 7.7; at 512 rows and fewer, level.
+// Groups of a quarter or a half of L2 were no faster.
 int64_t amx_panels_per_group(int64_t num_panels, int64_t panel_bytes, int64_t x_bytes) {
   static const int64_t l2_bytes = [] {
     const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -1037,7 +1037,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   auto rows_from = [&](int64_t r0) { return r0 < whole ? xp + r0 * ldx : tail.data(); };
   const int64_t P = panels(N), group = amx_panels_per_group(P, pairs * kPanel * 2 * sizeof(uint16_t), M * ldx * 2);
   return output_of(M, N, x, [&](auto* y) {
-    for_each_panel((P + group - 1) / group, [&](int64_t g) {
+    for_each_panel((P + group - 1) / group, [&](int64_t g) {  // shares out groups as it does panels
       configure_amx_tiles();
       alignas(64) float c[32 * 32];
       const int64_t first = g * group, last = std::min(P, first + group);
