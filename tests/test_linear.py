@@ -27,12 +27,13 @@ def test_layouts_round_trip():
 
 # Row counts cover every register tiling of the panel kernel (AVX-512: 1-3 rows alternate
 # accumulators, 40 rows are 4 tiles; AVX2: one row alternates accumulators, two take a panel
-# whole, 3 to 6 in halves: 9 rows are tiles of 4 and 5, 40 of 5 and 6).
+# whole, 3 to 6 in halves: 9 rows are tiles of 4 and 5, 40 of 5 and 6). 2048 inputs put rows of x
+# 4 KB (bf16) and 8 KB (fp32) apart, which the AVX-512 kernel spreads a cache line further apart.
 @pytest.mark.parametrize("kernel, dtype, bound", [
     pytest.param(kernel, dtype, bound, marks=pytest.mark.skipif(kernel == "panel" and not PANELS, reason=NO_PANELS))
     for dtype, bound in FORMAT_BOUNDS for kernel in candidates(FORMAT[dtype], panels=True)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 9, 40])
-@pytest.mark.parametrize("in_features, out_features", [(64, 96), (201, 70)])
+@pytest.mark.parametrize("in_features, out_features", [(64, 96), (201, 70), (2048, 40)])
 def test_every_kernel_matches_reference(kernel, dtype, bound, tokens, in_features, out_features):
     """Relative error (max abs / max |ref|) against fp64 arithmetic on the same inputs: fp32
     accumulates in fp32; bf16 weights multiply exactly and accumulate in fp32, then the output
