@@ -197,28 +197,30 @@ inline void set_zero(V (&a)[N]) {
 }
 
 #ifdef LOOM_LINEAR_AVX512
-// x as the dense bf16 kernel reads it: bf16, contiguous, K padded to `padded_k` with zeros.
-at::Tensor bf16_input(const at::Tensor& x, int64_t padded_k) {
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  return padded_k == x.size(1) ? xb : at::constant_pad_nd(xb, {0, padded_k - x.size(1)});
-}
-
 constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
 constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
 
-// x [M, K] contiguous, or a copy of it whose rows lie a cache line further apart when they are a
-// multiple of 4 KB apart: a dense tile broadcasts from each of its up to 12 rows at every step,
-// and rows 4 KB apart all fall in one set of the L1 (64 sets of 64 bytes), which holds 8 lines on
-// Zen 4, so they evict one another; 8 rows or fewer fit. Measured on Zen 4, the 134M model's down
-// projection (K = 2048) at 512 rows: bf16 299-324 GFLOP/s as x was, 370-390 with the copy (level
-// with its K = 768 layers), fp32 146-198 against 198-199. Rows 2 KB apart (bf16, K = 1024) were not
-// slower. Returns the rows and their stride in elements.
-std::pair<at::Tensor, int64_t> spread_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), line = 64 / x.element_size();
-  if (M <= 8 || (K * x.element_size()) % 4096 != 0) return {x, K};
-  at::Tensor spread = at::empty({M, K + line}, x.options());
-  spread.narrow(1, 0, K).copy_(x);
-  return {spread, K + line};
+// x [M, K] as a kernel reads it: `dtype`, each row padded with zeros to `width` inputs, rows
+// `stride` elements apart (stride >= width; what lies between is never read). x itself where it
+// already is that, else one copy.
+at::Tensor kernel_rows(const at::Tensor& x, at::ScalarType dtype, int64_t width, int64_t stride) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == dtype && x.is_contiguous() && stride == K) return x;
+  at::Tensor rows = at::empty({M, stride}, x.options().dtype(dtype));
+  rows.narrow(1, 0, K).copy_(x);
+  if (width > K) rows.narrow(1, K, width - K).zero_();
+  return rows;
+}
+
+// The stride of M rows of `width` elements for a dense tile: `width`, or a cache line more when
+// that puts rows a multiple of 4 KB apart. A dense tile broadcasts from each of its up to 12 rows
+// at every step, and rows 4 KB apart all fall in one set of the L1 (64 sets of 64 bytes), which
+// holds 8 lines on Zen 4, so they evict one another; 8 rows or fewer fit. Measured on Zen 4, the
+// 134M model's down projection (K = 2048) at 512 rows: bf16 299-324 GFLOP/s with rows 4 KB apart,
+// 370-390 a line further apart (level with its K = 768 layers), fp32 146-198 against 198-199.
+// Rows 2 KB apart (bf16, K = 1024) were not slower.
+int64_t dense_row_stride(int64_t M, int64_t width, int64_t element_bytes) {
+  return M > 8 && (width * element_bytes) % 4096 == 0 ? width + 64 / element_bytes : width;
 }
 
 // x[m, 2p], x[m, 2p + 1] in every lane.
@@ -995,15 +997,16 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
               "dense_linear: w must be fp32 [ceil(N/32), K * 32] or bf16 [ceil(N/32), ceil(K/2) * 64]");
 #ifdef LOOM_LINEAR_AVX512
   if (fp32) {
-    const auto [xf, ldx] = spread_rows(x.to(at::kFloat).contiguous());
+    const int64_t ldx = dense_row_stride(M, K, sizeof(float));
+    const at::Tensor xf = kernel_rows(x, at::kFloat, K, ldx);
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr<float>());
     const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<float>());
     return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
       panel_tile<decltype(rows)::value>(xp + m0 * ldx, ldx, K, wp + p * K * kPanel, dot_fp32, N - p * kPanel, y, N);
     });
   }
-  const auto [xb, ld] = spread_rows(bf16_input(x, 2 * pairs));
-  const int64_t ldx = ld / 2;  // in bf16 pairs
+  const int64_t ld = dense_row_stride(M, 2 * pairs, sizeof(uint16_t)), ldx = ld / 2;  // ldx: in bf16 pairs
+  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs, ld);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());  // one bf16 pair per uint32
   return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
@@ -1043,7 +1046,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(amx_permitted(), "amx_linear: the OS did not grant this process AMX's tile state");
   // x as bf16 with K padded to even. A tile reads 16 rows: the rows after the last whole tile of
   // 16 go to a tile of their own, padded with zeros (padding all of x would copy it).
-  const at::Tensor xb = bf16_input(x, 2 * pairs);
+  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs, 2 * pairs);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const int64_t ldx = 2 * pairs, blocks = pairs / 16, whole = M / 16 * 16;
