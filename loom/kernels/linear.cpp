@@ -41,7 +41,6 @@
 // tile dot products (amx_linear), for steps of many rows.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
@@ -196,10 +195,7 @@ inline void set_zero(V (&a)[N]) {
   for (auto& v : a) set_zero(v);
 }
 
-#ifdef LOOM_LINEAR_AVX512
-constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
-constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
-
+#ifdef LOOM_LINEAR_PANELS
 // x [M, K] as a kernel reads it: `dtype`, each row padded with zeros to `width` inputs, rows
 // `stride` elements apart (stride >= width; what lies between is never read). x itself where it
 // already is that, else one copy.
@@ -211,6 +207,11 @@ at::Tensor kernel_rows(const at::Tensor& x, at::ScalarType dtype, int64_t width,
   if (width > K) rows.narrow(1, K, width - K).zero_();
   return rows;
 }
+#endif
+
+#ifdef LOOM_LINEAR_AVX512
+constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
+constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
 
 // The stride of M rows of `width` elements for a dense tile: `width`, or a cache line more when
 // that puts rows a multiple of 4 KB apart. A dense tile broadcasts from each of its up to 12 rows
@@ -1016,8 +1017,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 #elif defined(LOOM_LINEAR_AVX2)
   // x in fp32 whatever its dtype (bf16 weights are widened to meet it), K padded to even for bf16.
   const int64_t ldx = fp32 ? K : 2 * pairs;
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (ldx != K) xf = at::constant_pad_nd(xf, {0, ldx - K});
+  const at::Tensor xf = kernel_rows(x, at::kFloat, ldx, ldx);
   const float* xp = xf.data_ptr<float>();
   const char* wp = static_cast<const char*>(w.data_ptr());
   const int64_t steps = fp32 ? K : pairs;
