@@ -33,7 +33,8 @@ def both_paths(monkeypatch):
     """Runs every decode step the C++ step serves through the compiled graph and the model's LM
     head too, the graph's logits kept (so the C++ step's KV writes are written again by the
     graph's, and the sampler scans the graph's logits); returns the pairs of logits, after
-    checking that the C++ step's argmax of each row is the sampler's scan of its logits."""
+    checking that the C++ step's logits are in the model's dtype and its argmax of each row is the
+    sampler's scan of its logits (widened, as the sampler widens them)."""
     pairs = []
     run = model_runner.ModelRunner._run
 
@@ -41,7 +42,8 @@ def both_paths(monkeypatch):
         logits, argmax = run(self, inputs)
         if argmax is None:  # not a step the C++ step ran
             return logits, argmax
-        ours = logits[0].clone()
+        assert logits[0].dtype == self.dtype
+        ours = logits[0].to(torch.float32, copy=True)
         assert argmax == first_argmax(ours)
         graphs = self.model.compute_logits(self.decode_graphs(inputs.input_ids, inputs.positions, inputs.meta))
         pairs.append((ours, graphs))
@@ -170,34 +172,41 @@ def test_models_outside_the_llama_family_run_through_the_graphs(hf_models):
     assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_decode_step_argmax_takes_the_first_largest_and_a_nan_first(tmp_path):
-    """As numpy's argmax, which the sampler's scan is: of equal logits the first, and a NaN over
-    any number. fp32 head weights in panels of 32 channels (weight[p, 32 k + c]: channel 32 p + c,
-    input k)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_argmax_takes_the_first_largest_and_a_nan_first(tmp_path, dtype):
+    """As numpy's argmax over the logits in fp32, which the sampler's scan is: of equal logits the
+    first, and a NaN over any number. Head weights in panels of 32 channels: fp32 weight[p, 32 k + c]
+    is channel 32 p + c, input k; bf16 weight[p, 64 j + 2 c + t] is the same channel, input 2 j + t."""
     build_hf_model(tmp_path, "llama_gqa", vocab_size=250)  # a last, partial vector of 10 logits
-    llm = LLM(str(tmp_path), enforce_eager=False, dtype="float32", max_num_seqs=4)
+    llm = LLM(str(tmp_path), enforce_eager=False, dtype=dtype, max_num_seqs=4)
     step, head = llm.engine.runner.decode_step, llm.engine.runner.model.lm_head
     ids, positions = torch.tensor([3]), torch.tensor([0])
 
     def channel(n: int) -> torch.Tensor:
-        return head.weight[n // 32, n % 32::32]
+        panel, c = head.weight[n // 32], n % 32
+        return panel[c::32] if dtype == "float32" else panel.view(-1, 64)[:, 2 * c:2 * c + 2]
+
+    def logits_and_argmax() -> tuple[torch.Tensor, list[int]]:
+        logits, argmax = step(ids, positions, _decode_meta(1))
+        assert logits.dtype == getattr(torch, dtype)
+        return logits.float(), argmax
 
     last = head.out_features - 1  # in the partial vector
     head.weight.zero_()  # every logit 0
     channel(last).fill_(1.0)
-    sign = 1.0 if step(ids, positions, _decode_meta(1))[0][0, last] > 0 else -1.0
+    sign = 1.0 if logits_and_argmax()[0][0, last] > 0 else -1.0
     channel(last - 1).fill_(sign)
     channel(last).fill_(sign)
-    logits, argmax = step(ids, positions, _decode_meta(1))
+    logits, argmax = logits_and_argmax()
     assert logits[0, last] > 0
     assert argmax == first_argmax(logits) == [last - 1]
     channel(35).fill_(2 * sign)  # lane 3 of its vector: larger, and tied with channel 20 (lane 4)
     channel(20).fill_(2 * sign)
-    logits, argmax = step(ids, positions, _decode_meta(1))
+    logits, argmax = logits_and_argmax()
     assert argmax == first_argmax(logits) == [20]
     channel(40).fill_(float("nan"))
     channel(70).fill_(float("nan"))
-    logits, argmax = step(ids, positions, _decode_meta(1))
+    logits, argmax = logits_and_argmax()
     assert argmax == first_argmax(logits) == [40]
 
 

@@ -129,8 +129,9 @@ class DecodeStep:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  num_steps: int = 1) -> tuple[torch.Tensor, list[int]]:
-        """The step's logits [B, vocab] float32 (as `compute_logits` gives them) and each row's
-        argmax (its first largest logit). With `num_steps` > 1, that many steps in a row, each
+        """The step's logits [B, vocab] in the model's dtype (`compute_logits` widens the same
+        values to float32; the sampler does, where a row needs more than its argmax) and each
+        row's argmax (its first largest logit, in float32). With `num_steps` > 1, that many steps in a row, each
         row's token the argmax of its step before (`meta.slot_mapping` holds every step's slots,
         a step's B after another; its block tables cover them all): the last step's logits, and
         every step's argmax, a step's B after another."""

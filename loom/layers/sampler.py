@@ -61,11 +61,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  argmax: list[int] | None = None) -> list[SampleResult]:
-        """logits [R, V] float32, one row per SampleRow -> one result per row. `argmax`: each
-        row's first largest logit, where the caller has it (greedy rows whose logits no penalty
-        or processor changes take it)."""
+        """logits [R, V] (float32, or the model's dtype, widened here where needed), one row per
+        SampleRow -> one result per row. `argmax`: each row's first largest logit, where the
+        caller has it (greedy rows whose logits no penalty or processor changes take it)."""
         if argmax is not None and all(r.takes_argmax for r in rows):  # a greedy batch's usual step
             return [SampleResult(token_ids=[token]) for token in argmax]
+        logits = logits.float()
         needs_logprobs = any(r.params.logprobs is not None or r.num_proposals for r in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if needs_logprobs else None
         raw = logits
