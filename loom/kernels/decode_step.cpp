@@ -167,7 +167,8 @@ int64_t first_argmax(const T* x, int64_t n) {
       _mm512_store_si512(places, where);
       int64_t best = places[0];
       for (int j = 1; j < 16; ++j)
-        if (values[j] > value_at(x, best) || (values[j] == value_at(x, best) && places[j] < best)) best = places[j];
+        if (values[j] > value_at(x, best) || (values[j] == value_at(x, best) && places[j] < best))
+          best = places[j];
       for (; i < n && !is_nan(value_at(x, i)); ++i)  // the tail
         if (value_at(x, i) > value_at(x, best)) best = i;
       if (i == n) return best;
@@ -251,8 +252,8 @@ struct DecodeStep {
   // ids, positions [B] int64 and context_lens [B] int32 (each row's context with its new token)
   // are the first step's (each later step is one position further); slots [steps * B] int64, a
   // step's B after another; block_tables [B, W] int32 hold every step's slots. Returns the last
-  // step's logits [B, vocab] (the model's dtype) and every step's argmax, a step's B after another: the first
-  // largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list the
+  // step's logits [B, vocab] (the model's dtype) and every step's argmax, a step's B after
+  // another: the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list the
   // sampler takes (it took a tensor's tolist() at every step).
   std::tuple<at::Tensor, std::vector<int64_t>> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
                                          at::Tensor block_tables, at::Tensor context_lens, int64_t steps) {
