@@ -132,8 +132,8 @@ class DecodeStep:
         """The step's logits [B, vocab] in the model's dtype (`compute_logits` widens the same
         values to float32; the sampler does, where a row needs more than its argmax) and each
         row's argmax (its first largest logit, in float32). With `num_steps` > 1, that many steps
-        in a row, each row's token the argmax of its step before (`meta.slot_mapping` holds every step's slots,
-        a step's B after another; its block tables cover them all): the last step's logits, and
-        every step's argmax, a step's B after another."""
+        in a row, each row's token the argmax of its step before (`meta.slot_mapping` holds every
+        step's slots, a step's B after another; its block tables cover them all): the last step's
+        logits, and every step's argmax, a step's B after another."""
         return self.step.run(ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                              num_steps)
