@@ -28,7 +28,8 @@ def test_layouts_round_trip():
 # Row counts cover every register tiling of the panel kernel (AVX-512: 1-3 rows alternate
 # accumulators, 40 rows are 4 tiles; AVX2: one row alternates accumulators, two take a panel
 # whole, 3 to 6 in halves: 9 rows are tiles of 4 and 5, 40 of 5 and 6). 2048 inputs put rows of x
-# 4 KB (bf16) and 8 KB (fp32) apart, which the AVX-512 kernel spreads a cache line further apart.
+# 4 KB (bf16) and 8 KB (fp32) apart, which the AVX-512 kernel takes in tiles of at most 8 rows
+# (40 rows: five tiles of 8).
 @pytest.mark.parametrize("kernel, dtype, bound", [
     pytest.param(kernel, dtype, bound, marks=pytest.mark.skipif(kernel == "panel" and not PANELS, reason=NO_PANELS))
     for dtype, bound in FORMAT_BOUNDS for kernel in candidates(FORMAT[dtype], panels=True)])

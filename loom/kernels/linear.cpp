@@ -196,13 +196,12 @@ inline void set_zero(V (&a)[N]) {
 }
 
 #ifdef LOOM_LINEAR_PANELS
-// x [M, K] as a kernel reads it: `dtype`, each row padded with zeros to `width` inputs, rows
-// `stride` elements apart (stride >= width; what lies between is never read). x itself where it
-// already is that, else one copy.
-at::Tensor kernel_rows(const at::Tensor& x, at::ScalarType dtype, int64_t width, int64_t stride) {
+// x [M, K] as a kernel reads it: contiguous rows of `dtype`, each padded with zeros to `width`
+// inputs. x itself where it already is that, else one copy.
+at::Tensor kernel_rows(const at::Tensor& x, at::ScalarType dtype, int64_t width) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == dtype && x.is_contiguous() && stride == K) return x;
-  at::Tensor rows = at::empty({M, stride}, x.options().dtype(dtype));
+  if (x.scalar_type() == dtype && x.is_contiguous() && width == K) return x;
+  at::Tensor rows = at::empty({M, width}, x.options().dtype(dtype));
   rows.narrow(1, 0, K).copy_(x);
   if (width > K) rows.narrow(1, K, width - K).zero_();
   return rows;
@@ -212,17 +211,6 @@ at::Tensor kernel_rows(const at::Tensor& x, at::ScalarType dtype, int64_t width,
 #ifdef LOOM_LINEAR_AVX512
 constexpr int kTileRows = 12;       // dense: rows of x per register tile, 24 accumulators
 constexpr int kIntTileRows = 6;     // int8 / int4: two int32 and two fp32 accumulators a row
-
-// The stride of M rows of `width` elements for a dense tile: `width`, or a cache line more when
-// that puts rows a multiple of 4 KB apart. A dense tile broadcasts from each of its up to 12 rows
-// at every step, and rows 4 KB apart all fall in one set of the L1 (64 sets of 64 bytes), which
-// holds 8 lines on Zen 4, so they evict one another; 8 rows or fewer fit. Measured on Zen 4, the
-// 134M model's down projection (K = 2048) at 512 rows: bf16 299-324 GFLOP/s with rows 4 KB apart,
-// 370-390 a line further apart (level with its K = 768 layers), fp32 146-198 against 198-199.
-// Rows 2 KB apart (bf16, K = 1024) were not slower.
-int64_t dense_row_stride(int64_t M, int64_t width, int64_t element_bytes) {
-  return M > 8 && (width * element_bytes) % 4096 == 0 ? width + 64 / element_bytes : width;
-}
 
 // x[m, 2p], x[m, 2p + 1] in every lane.
 inline __m512bh pair_of(const uint16_t* x, int64_t p) {
@@ -989,6 +977,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #endif
 }
 
+#ifdef LOOM_LINEAR_AVX512
+// Rows of x a dense tile takes where they are a multiple of 4 KB apart. A dense tile broadcasts
+// from each of its rows at every step, and rows 4 KB apart all fall in one set of the L1 (64
+// sets of 64 bytes), which holds 8 lines on Zen 4: 12 rows evict one another, 8 fit. That is
+// K = 1024 or 2048 in fp32, 2048 in bf16 (the 134M model's down projection), 4096 in 7B-class
+// models. Measured on Zen 4, the two taking turns in one process over 16 to 2047 rows of K = 2048:
+// 8-row tiles over x as it is ran 1.02-1.17x (bf16) and 1.04-1.11x (fp32) as fast as 12-row tiles
+// over a copy of x with its rows a cache line further apart (the copy alone was a tenth of the
+// time at 16 rows); over other widths 8-row tiles were no faster overall (0.95-1.05x).
+constexpr int kSetTileRows = 8;
+
+// run_panels for a dense kernel whose rows of x are `row_bytes` apart, with tiles that fit the L1.
+template <typename Tile>
+at::Tensor run_dense_panels(int64_t M, int64_t N, const at::Tensor& x, int64_t row_bytes, Tile tile) {
+  if (row_bytes % 4096 == 0) return run_panels<kSetTileRows>(M, N, x, tile);
+  return run_panels<kTileRows>(M, N, x, tile);
+}
+#endif
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.size(0) == panels(N),
               "dense_linear: x [M, K], w [ceil(N/32), ...] contiguous (the panel layout)");
@@ -998,26 +1005,24 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
               "dense_linear: w must be fp32 [ceil(N/32), K * 32] or bf16 [ceil(N/32), ceil(K/2) * 64]");
 #ifdef LOOM_LINEAR_AVX512
   if (fp32) {
-    const int64_t ldx = dense_row_stride(M, K, sizeof(float));
-    const at::Tensor xf = kernel_rows(x, at::kFloat, K, ldx);
+    const at::Tensor xf = kernel_rows(x, at::kFloat, K);
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xf.data_ptr<float>());
     const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<float>());
-    return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-      panel_tile<decltype(rows)::value>(xp + m0 * ldx, ldx, K, wp + p * K * kPanel, dot_fp32, N - p * kPanel, y, N);
+    return run_dense_panels(M, N, x, K * sizeof(float), [&](int64_t p, int64_t m0, auto rows, auto* y) {
+      panel_tile<decltype(rows)::value>(xp + m0 * K, K, K, wp + p * K * kPanel, dot_fp32, N - p * kPanel, y, N);
     });
   }
-  const int64_t ld = dense_row_stride(M, 2 * pairs, sizeof(uint16_t)), ldx = ld / 2;  // ldx: in bf16 pairs
-  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs, ld);
+  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());  // one bf16 pair per uint32
-  return run_panels<kTileRows>(M, N, x, [&](int64_t p, int64_t m0, auto rows, auto* y) {
-    panel_tile<decltype(rows)::value>(xp + m0 * ldx, ldx, pairs, wp + p * pairs * kPanel, dot_bf16,
+  return run_dense_panels(M, N, x, pairs * sizeof(uint32_t), [&](int64_t p, int64_t m0, auto rows, auto* y) {
+    panel_tile<decltype(rows)::value>(xp + m0 * pairs, pairs, pairs, wp + p * pairs * kPanel, dot_bf16,
                                       N - p * kPanel, y, N);
   });
 #elif defined(LOOM_LINEAR_AVX2)
   // x in fp32 whatever its dtype (bf16 weights are widened to meet it), K padded to even for bf16.
   const int64_t ldx = fp32 ? K : 2 * pairs;
-  const at::Tensor xf = kernel_rows(x, at::kFloat, ldx, ldx);
+  const at::Tensor xf = kernel_rows(x, at::kFloat, ldx);
   const float* xp = xf.data_ptr<float>();
   const char* wp = static_cast<const char*>(w.data_ptr());
   const int64_t steps = fp32 ? K : pairs;
@@ -1046,7 +1051,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(amx_permitted(), "amx_linear: the OS did not grant this process AMX's tile state");
   // x as bf16 with K padded to even. A tile reads 16 rows: the rows after the last whole tile of
   // 16 go to a tile of their own, padded with zeros (padding all of x would copy it).
-  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs, 2 * pairs);
+  const at::Tensor xb = kernel_rows(x, at::kBFloat16, 2 * pairs);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const int64_t ldx = 2 * pairs, blocks = pairs / 16, whole = M / 16 * 16;
