@@ -39,6 +39,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 // The kernels this step calls (linear.cpp, paged_attention.cpp; the same library).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, int64_t N);
@@ -123,18 +125,15 @@ namespace {
 // folded to false).
 inline bool is_nan(float f) { return (std::bit_cast<uint32_t>(f) & 0x7FFFFFFFu) > 0x7F800000u; }
 
-// x[i] in fp32 (a bf16's bits are a float's top half).
+// x[i] in fp32.
 inline float value_at(const float* x, int64_t i) { return x[i]; }
-inline float value_at(const c10::BFloat16* x, int64_t i) {
-  return std::bit_cast<float>(static_cast<uint32_t>(x[i].x) << 16);
-}
+inline float value_at(const c10::BFloat16* x, int64_t i) { return bf16_to_float(x[i].x); }
 
 #if defined(__AVX512F__)
 // x[i:i + 16] in fp32.
 inline __m512 load16(const float* x, int64_t i) { return _mm512_loadu_ps(x + i); }
 inline __m512 load16(const c10::BFloat16* x, int64_t i) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
 }
 #endif
 

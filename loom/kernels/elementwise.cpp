@@ -27,10 +27,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include "bf16.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -58,12 +59,7 @@ constexpr int kVecLanes = 8;
 #endif
 
 inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen(c10::BFloat16 x) { return bf16_to_float(x.x); }
 
 // fp32 -> T, rounded to nearest even as c10::BFloat16 rounds (activations are never NaN).
 template <typename T>
@@ -72,10 +68,7 @@ template <>
 inline float narrow<float>(float f) { return f; }
 template <>
 inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  return c10::BFloat16(float_to_bf16(f), c10::BFloat16::from_bits());
 }
 
 // Sum of x[i]^2 over i < H, added as inductor's vectorized reduction adds it: into lanes of one
@@ -140,8 +133,7 @@ void rotate(const T* src, int64_t row_stride, int64_t head_stride, int64_t b0, i
 // The first n (<= 16) elements at p, widened to fp32 lanes (the others zero).
 inline __m512 load16(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 n) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  return bf16x16_to_float(_mm256_maskz_loadu_epi16(n, p));
 }
 
 // The lanes rounded to T as narrow<T> rounds them, kept as fp32 (for bf16: the low 16 bits zero).
@@ -150,10 +142,8 @@ inline __m512 round16(__m512 x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_lanes(x), top));
   }
 }
 

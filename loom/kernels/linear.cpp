@@ -47,7 +47,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,6 +55,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LOOM_LINEAR_AVX512 1
@@ -80,14 +81,6 @@ constexpr int64_t kPanel = 32;  // output channels per panel
 // float step per row and channel: measured on the 134M model's layers at batch 1, groups of
 // 32 / 64 / 128 took 0.72 / 0.68 / 0.65 of bf16 weights' time (0.5 would be bandwidth).
 constexpr int64_t kInt4ActivationGroup = 32, kInt8ActivationGroup = 64;
-
-inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
-
-// Round to nearest even (c10::BFloat16's conversion also handles NaN, which weights never are).
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t bits = std::bit_cast<uint32_t>(f);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 inline int64_t panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
@@ -230,7 +223,7 @@ inline void load_step(const void* panel, int64_t s, __m512i& half0, __m512i& hal
 
 // 16 bf16 -> fp32.
 inline __m512 widen_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Stores the two vectors of a panel's row (channels n0 .. n0 + 31 of `valid`), times `scale`
@@ -415,7 +408,7 @@ struct QuantizedRows {
 // 16 inputs of a row (fewer at its end: `live`) as fp32.
 inline __m512 load_row(const float* x, __mmask16 live) { return _mm512_maskz_loadu_ps(live, x); }
 inline __m512 load_row(const uint16_t* x, __mmask16 live) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, x)), 16));
+  return bf16x16_to_float(_mm256_maskz_loadu_epi16(live, x));
 }
 
 template <typename T>

@@ -33,7 +33,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +42,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "bf16.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -113,9 +114,7 @@ inline void sequence_scales(const float* scales, const int32_t* table, int64_t n
 // vectorizes it.
 template <typename T>
 inline float to_float(const T* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float to_float(const c10::BFloat16* p, int64_t i) {
-  return std::bit_cast<float>(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
-}
+inline float to_float(const c10::BFloat16* p, int64_t i) { return bf16_to_float(p[i].x); }
 
 // Scores of one block's tokens against one query row. Keys are stored transposed within a
 // block ([D, BS]), so each step is a BS-wide vector FMA with no horizontal reduction; four
@@ -169,8 +168,7 @@ inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table
 // horizontal sums; V rows accumulate in registers two tokens at a time (two independent FMA
 // chains per register). fp32 stays on the portable loops, which were as fast.
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -180,10 +178,8 @@ inline void store16(c10::BFloat16* p, __m512 x) {  // rounded to nearest even, a
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 #else
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+  const __m512i rounded = _mm512_srli_epi32(bf16_rounded_lanes(x), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
 #endif
 }
 
