@@ -132,9 +132,7 @@ inline float value_at(const c10::BFloat16* x, int64_t i) { return bf16_to_float(
 #if defined(__AVX512F__)
 // x[i:i + 16] in fp32.
 inline __m512 load16(const float* x, int64_t i) { return _mm512_loadu_ps(x + i); }
-inline __m512 load16(const c10::BFloat16* x, int64_t i) {
-  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-}
+inline __m512 load16(const c10::BFloat16* x, int64_t i) { return load_bf16x16(x + i); }
 #endif
 
 // The index of the first largest of x[0:n], n >= 1, a NaN counting as larger than any number
@@ -252,8 +250,8 @@ struct DecodeStep {
   // are the first step's (each later step is one position further); slots [steps * B] int64, a
   // step's B after another; block_tables [B, W] int32 hold every step's slots. Returns the last
   // step's logits [B, vocab] (the model's dtype) and every step's argmax, a step's B after
-  // another: the first largest logit (a NaN counting as the largest, as numpy's argmax has it), as the list the
-  // sampler takes (it took a tensor's tolist() at every step).
+  // another: the first largest logit (a NaN counting as the largest, as numpy's argmax has it),
+  // as the list the sampler takes (it took a tensor's tolist() at every step).
   std::tuple<at::Tensor, std::vector<int64_t>> run(at::Tensor ids, at::Tensor positions, at::Tensor slots,
                                          at::Tensor block_tables, at::Tensor context_lens, int64_t steps) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.is_contiguous() &&

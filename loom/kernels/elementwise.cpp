@@ -132,9 +132,7 @@ void rotate(const T* src, int64_t row_stride, int64_t head_stride, int64_t b0, i
 #if defined(__AVX512F__)
 // The first n (<= 16) elements at p, widened to fp32 lanes (the others zero).
 inline __m512 load16(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 n) {
-  return bf16x16_to_float(_mm256_maskz_loadu_epi16(n, p));
-}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 n) { return load_bf16x16(p, n); }
 
 // The lanes rounded to T as narrow<T> rounds them, kept as fp32 (for bf16: the low 16 bits zero).
 template <typename T>

@@ -221,11 +221,6 @@ inline void load_step(const void* panel, int64_t s, __m512i& half0, __m512i& hal
   half1 = _mm512_loadu_si512(p + 64);
 }
 
-// 16 bf16 -> fp32.
-inline __m512 widen_bf16(const uint16_t* p) {
-  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Stores the two vectors of a panel's row (channels n0 .. n0 + 31 of `valid`), times `scale`
 // [32] when given, as fp32 or as bf16 (rounded to nearest even, as Tensor.to does).
 template <typename Out>
@@ -289,12 +284,6 @@ inline __m256i quad_of(const int8_t* a) { return _mm256_set1_epi32(quad_at(a)); 
 inline void load_step(const void* panel, int64_t s, __m256i (&w)[4]) {
   const char* p = prefetched_step(panel, s);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-}
-
-// 8 bf16 -> fp32.
-inline __m256 widen_bf16(const uint16_t* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
 // Stores a panel's row (channels n0 .. n0 + 8V - 1 of `valid`, V vectors), times `scale` [8V]
@@ -407,9 +396,7 @@ struct QuantizedRows {
 #ifdef LOOM_LINEAR_AVX512
 // 16 inputs of a row (fewer at its end: `live`) as fp32.
 inline __m512 load_row(const float* x, __mmask16 live) { return _mm512_maskz_loadu_ps(live, x); }
-inline __m512 load_row(const uint16_t* x, __mmask16 live) {
-  return bf16x16_to_float(_mm256_maskz_loadu_epi16(live, x));
-}
+inline __m512 load_row(const uint16_t* x, __mmask16 live) { return load_bf16x16(x, live); }
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, QuantizedRows& r, int64_t m) {
@@ -645,8 +632,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     }
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int h = 0; h < 2; ++h) {
-      const __m512 ws = widen_bf16(scale + wg * kPanel + 16 * h);
-      const __m512 offset = kZero ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 16 * h))
+      const __m512 ws = load_bf16x16(scale + wg * kPanel + 16 * h);
+      const __m512 offset = kZero ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), ws, load_bf16x16(zero + wg * kPanel + 16 * h))
                                   : _mm512_mul_ps(_mm512_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;
@@ -778,8 +765,8 @@ inline void int4_tile(const QuantizedRows& a, int64_t m0, int64_t group_size, co
     }
     const int64_t wg = g * kInt4ActivationGroup / group_size;  // the weight group holding this activation group
     for (int i = 0; i < 4; ++i) {
-      const __m256 ws = widen_bf16(scale + wg * kPanel + 8 * i);
-      const __m256 offset = kZero ? _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, widen_bf16(zero + wg * kPanel + 8 * i))
+      const __m256 ws = load_bf16x8(scale + wg * kPanel + 8 * i);
+      const __m256 offset = kZero ? _mm256_fnmadd_ps(_mm256_set1_ps(8.f), ws, load_bf16x8(zero + wg * kPanel + 8 * i))
                                   : _mm256_mul_ps(_mm256_set1_ps(-8.f), ws);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = (m0 + m) * a.groups + g;

@@ -167,9 +167,7 @@ inline void weighted_rows(const float* p, const T* v_cache, const int32_t* table
 // 16-lane registers: a key block's row of 16 tokens is one register, so scores need no
 // horizontal sums; V rows accumulate in registers two tokens at a time (two independent FMA
 // chains per register). fp32 stays on the portable loops, which were as fast.
-inline __m512 load16(const c10::BFloat16* p) {
-  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline __m512 load16(const c10::BFloat16* p) { return load_bf16x16(p); }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
