@@ -242,7 +242,7 @@ def test_attention_benchmark_runs_in_a_fresh_process():
     decode, prefill = out.splitlines()
     assert "'contiguous_sdpa_ms'" in decode and "'paged_ms'" in decode and "'scored_keyformer_ms'" in decode
     assert "'paged_GFLOPs'" in prefill and "'contiguous_sdpa_ms'" in prefill
-    assert "'paged_int8_ms'" in decode and "'paged_int8_ms'" in prefill
+    assert "'paged_int8_ms'" in decode and "'paged_int8_ms'" in prefill and "'paged_mixed_contexts_ms'" in decode
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -70,35 +70,41 @@ def run(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
         layers: int = 1, rounds: int = 7, repeats: int = 10) -> dict:
     """A decode step over `layers` layers: `batch` queries, each over its own `context` cached
     tokens in every layer; times per layer. Also the same step scoring its keys for H2O and
-    for Keyformer (what a scored KV policy adds to the attention)."""
+    for Keyformer (what a scored KV policy adds to the attention), and over mixed contexts, row b
+    of B seeing the first (b + 1) / B of its tokens (what the split of the rows' work over the
+    threads must even out)."""
     load_kernels()
     g = torch.Generator().manual_seed(0)
     cache, tables = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers)
     int8_cache, _ = _pool(batch, context, kv_heads, head_dim, block_size, dtype, g, layers, "int8")
     lens = torch.full((batch,), context, dtype=torch.int32)
+    mixed_lens = torch.tensor([max(1, context * (b + 1) // batch) for b in range(batch)], dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     contiguous_kv = [(torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype),
                       torch.randn(batch, kv_heads, context, head_dim, generator=g).to(dtype)) for _ in range(layers)]
     scale = head_dim ** -0.5
 
-    def paged(scores: DecodeScores | None = None, pool: KVCache = cache):
+    def paged(scores: DecodeScores | None = None, pool: KVCache = cache, context_lens: torch.Tensor = lens):
         for layer in range(layers):
-            paged_decode_attention(q, pool, layer, tables, lens, scale, "cpp", scores)
+            paged_decode_attention(q, pool, layer, tables, context_lens, scale, "cpp", scores)
 
     def contiguous():
         for k, v in contiguous_kv:
             F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=kv_heads != heads)
 
     h2o, keyformer = (_scores(policy, batch, context, layers, kv_heads) for policy in ("h2o", "keyformer"))
-    p, c, ph, pk, p8 = (t / layers for t in _interleaved(paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer),
-                                                         lambda: paged(pool=int8_cache), rounds=rounds, repeats=repeats))
+    p, c, ph, pk, p8, pm = (t / layers for t in _interleaved(
+        paged, contiguous, lambda: paged(h2o), lambda: paged(keyformer), lambda: paged(pool=int8_cache),
+        lambda: paged(context_lens=mixed_lens), rounds=rounds, repeats=repeats))
     kv_bytes = batch * context * kv_bytes_per_block(1, kv_heads, head_dim, 1, dtype)
+    mixed_bytes = int(mixed_lens.sum()) * kv_bytes_per_block(1, kv_heads, head_dim, 1, dtype)
     int8_bytes = batch * context * kv_bytes_per_block(1, kv_heads, head_dim, 1, dtype, "int8")  # rows and scales
     return {"dtype": str(dtype).removeprefix("torch."), "layers": layers, "paged_ms": p * 1e3,
             "contiguous_sdpa_ms": c * 1e3, "ratio_paged_over_contiguous": p / c, "paged_GBps": kv_bytes / p / 1e9,
             "contiguous_GBps": kv_bytes / c / 1e9, "scored_h2o_ms": ph * 1e3, "scored_keyformer_ms": pk * 1e3,
             "scoring_overhead": {"h2o": ph / p - 1, "keyformer": pk / p - 1},
-            "paged_int8_ms": p8 * 1e3, "paged_int8_GBps": int8_bytes / p8 / 1e9, "speedup_int8": p / p8}
+            "paged_int8_ms": p8 * 1e3, "paged_int8_GBps": int8_bytes / p8 / 1e9, "speedup_int8": p / p8,
+            "paged_mixed_contexts_ms": pm * 1e3, "paged_mixed_contexts_GBps": mixed_bytes / pm / 1e9}
 
 
 def run_prefill(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,

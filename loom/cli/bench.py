@@ -406,6 +406,8 @@ def _attention(args: argparse.Namespace) -> None:
                   f"ratio {r['ratio_paged_over_contiguous']:.3f}; int8 pool {r['paged_int8_ms']:.3f} ms "
                   f"({r['speedup_int8']:.2f}x)")
     for r in decode:
+        print(f"[decode {r['dtype']} mixed contexts] paged {r['paged_mixed_contexts_ms']:.3f} ms "
+              f"({r['paged_mixed_contexts_GBps']:.1f} GB/s, against {r['paged_GBps']:.1f} over full contexts)")
         print(f"[decode {r['dtype']} scored] h2o {r['scored_h2o_ms']:.3f} ms "
               f"({r['scoring_overhead']['h2o']:+.1%}), keyformer {r['scored_keyformer_ms']:.3f} ms "
               f"({r['scoring_overhead']['keyformer']:+.1%})")
