@@ -46,7 +46,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +56,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LOOM_LINEAR_AVX512 1
@@ -493,49 +493,11 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t min_k, int64_t group) {
 }
 #endif
 
-// Calls f(panel) for every panel across torch's threads. Each thread streams its own contiguous
-// share of the panels front to back, as a static split would; a thread that runs out of work
-// then takes panels from the back of the share with the most left. On a shared machine one core
-// is often slower than the other (measured here: a 2x gap in whole decode steps), and with a
-// static split every step would wait for it.
+// Calls f(panel) for every panel, shared out over torch's threads with stealing (parallel.h).
 template <typename F>
 void for_each_panel(int64_t num_panels, F f) {
-  const int64_t T = std::min<int64_t>(at::get_num_threads(), num_panels);
-  if (T <= 1 || at::in_parallel_region()) {
-    for (int64_t p = 0; p < num_panels; ++p) f(p);
-    return;
-  }
-  // Share t is [front, back) packed in one word, so that the owner (front) and thieves (back)
-  // claim panels with one compare-and-swap each.
-  struct alignas(64) Share { std::atomic<uint64_t> range; };
-  std::vector<Share> shares(T);
-  for (int64_t t = 0; t < T; ++t)
-    shares[t].range = (static_cast<uint64_t>(num_panels * t / T) << 32) | static_cast<uint64_t>(num_panels * (t + 1) / T);
-  auto claim = [&](Share& share, bool from_front) -> int64_t {
-    uint64_t r = share.range.load(std::memory_order_relaxed);
-    while (true) {
-      const uint64_t front = r >> 32, back = r & 0xFFFFFFFFu;
-      if (front >= back) return -1;
-      const uint64_t next = from_front ? ((front + 1) << 32) | back : (front << 32) | (back - 1);
-      if (share.range.compare_exchange_weak(r, next, std::memory_order_relaxed))
-        return static_cast<int64_t>(from_front ? front : back - 1);
-    }
-  };
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t p = claim(shares[t], true); p >= 0; p = claim(shares[t], true)) f(p);
-      while (true) {  // help the share with the most panels left
-        int64_t victim = -1, most = 0;
-        for (int64_t v = 0; v < T; ++v) {
-          const uint64_t r = shares[v].range.load(std::memory_order_relaxed);
-          const int64_t left = static_cast<int64_t>(r & 0xFFFFFFFFu) - static_cast<int64_t>(r >> 32);
-          if (left > most) most = left, victim = v;
-        }
-        if (victim < 0) break;
-        const int64_t p = claim(shares[victim], false);
-        if (p >= 0) f(p);
-      }
-    }
+  for_each_task(num_panels, [&](auto next) {
+    for (TaskClaim c = next(); c.task >= 0; c = next()) f(c.task);
   });
 }
 

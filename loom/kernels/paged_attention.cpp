@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -527,7 +528,8 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
   const bool dot = fast && std::is_same_v<C, c10::BFloat16> && !scored.rows;
 #endif
   constexpr int64_t ahead = kAheadFor<C>;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks differ in cost by their sequences' contexts: shared out with stealing.
+  for_each_task(batch * num_kv_heads, [&](auto next) {
     std::vector<float> qf(group * head_dim), acc(head_dim), scores, tmp, value_scales;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     // The pair products' operands: the queries and one row's probabilities in bf16.
@@ -536,8 +538,8 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
     const __m512i order = pair_order();
     const auto [low, high] = interleave_orders();
 #endif
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+    for (TaskClaim claimed = next(); claimed.task >= 0; claimed = next()) {
+      const int64_t task = claimed.task, b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t ctx = context_lens[b], num_blocks = (ctx + BS - 1) / BS;
       const int32_t* table = block_tables + b * max_blocks;
       if (ctx == 0) {  // a shard of the sequence's keys that holds none of them: nothing to attend
@@ -589,11 +591,12 @@ void decode_kernel_impl(const T* q, const C* k_cache, const C* v_cache, const KV
         // Past an int8 task's last blocks, the next task's first ones: the memory stays busy through
         // this task's softmax and the next one's start (batch 64: 1.06x less time; pools of the
         // model's dtype timed the same with it and without).
-        if (const int64_t next = task + 1, nj = j + ahead - num_blocks; quantized && nj >= 0 && next < end) {
-          const int64_t nb = next / num_kv_heads;
+        if (const int64_t following = task + 1, nj = j + ahead - num_blocks;
+            quantized && nj >= 0 && following < claimed.end) {
+          const int64_t nb = following / num_kv_heads;
           if (nj * BS < context_lens[nb])
-            prefetch_kv_block<BS>(k_cache, v_cache, kv_scales, block_tables + nb * max_blocks, nj, next % num_kv_heads,
-                                  num_kv_heads, head_dim);
+            prefetch_kv_block<BS>(k_cache, v_cache, kv_scales, block_tables + nb * max_blocks, nj,
+                                  following % num_kv_heads, num_kv_heads, head_dim);
         }
         for (int64_t g = 0; g < group; ++g) {
           float* out = scores.data() + g * num_blocks * BS + j * BS;
