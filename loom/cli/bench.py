@@ -415,13 +415,15 @@ def _attention(args: argparse.Namespace) -> None:
                                             "prefill_tokens": args.prefill_tokens, "heads": cfg.num_heads,
                                             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                                             "block_size": 16, "results": decode, "prefill": prefill}, args.out_dir)
-    labels = [f"{case}\n{name}\n{r['dtype']}" for case, rows in (("decode", decode), ("prefill", prefill))
-              for r in rows for name in ("Loom paged", "paged int8", "SDPA")]
-    values = [v for rows in (decode, prefill) for r in rows
-              for v in (r["paged_ms"], r["paged_int8_ms"], r["contiguous_sdpa_ms"])]
+    common = (("paged int8", "paged_int8_ms"), ("SDPA", "contiguous_sdpa_ms"))
+    bars = {"decode": (("Loom paged", "paged_ms"), ("Loom paged,\nmixed contexts", "paged_mixed_contexts_ms")) + common,
+            "prefill": (("Loom paged", "paged_ms"),) + common}
+    shown = [(f"{case}\n{name}\n{r['dtype']}", r[key]) for case, results in (("decode", decode), ("prefill", prefill))
+             for r in results for name, key in bars[case]]
     bar_plot(path.with_suffix(".png"), f"Attention per layer: decode at batch {args.batch}, context "
-             f"{args.context}, over {cfg.num_layers} layers' caches; prefill of the last {args.prefill_tokens} tokens",
-             labels, values, "ms per layer (median)")
+             f"{args.context} (mixed: row b sees (b + 1) / {args.batch} of it), over {cfg.num_layers} layers' "
+             f"caches; prefill of the last {args.prefill_tokens} tokens",
+             [label for label, _ in shown], [ms for _, ms in shown], "ms per layer (median)")
     print(f"wrote {path}")
 
 

@@ -2,7 +2,8 @@
 // for prefill chunks.
 //
 // Decode: one task per (sequence, kv head): the query heads of the group share each K/V row
-// read, so every cached byte is read once per step. Scores go to a small per-task buffer;
+// read, so every cached byte is read once per step. Tasks cost what their contexts do, and
+// threads share them out with stealing (parallel.h). Scores go to a small per-task buffer;
 // softmax and the weighted V sum follow. Prefill: the same two passes for a tile of a chunk's
 // queries at once, in register tiles (see prefill_kernel), or in bf16 on CPUs with AMX through
 // its tiles. Both also return the log-sum-exp of each row (Helix merges partial attention
